@@ -1,0 +1,35 @@
+"""Block (page) allocators with reference counts: pure page-id bookkeeping, no MLX.
+
+- :class:`FreeListAllocator`: O(1) LIFO, recently freed pages first.
+- :class:`SortedAllocator`: lowest id first, ``allocate_contiguous``, fragmentation.
+- :class:`BlockAllocator`: the protocol pagedkv and ``python -m allocators.stress`` use.
+"""
+
+from allocators.errors import (
+    AllocatorError,
+    InvalidArgument,
+    InvalidPage,
+    InvariantViolation,
+    PoolExhausted,
+    RefCountError,
+)
+from allocators.free_list import FreeListAllocator
+from allocators.protocol import AllocatorStats, BlockAllocator, PageState
+from allocators.sorted import SortedAllocator
+from allocators.state_table import NULL_PAGE, RefCountingAllocator
+
+__all__ = [
+    "AllocatorError",
+    "AllocatorStats",
+    "BlockAllocator",
+    "FreeListAllocator",
+    "InvalidArgument",
+    "InvalidPage",
+    "InvariantViolation",
+    "NULL_PAGE",
+    "PageState",
+    "PoolExhausted",
+    "RefCountError",
+    "RefCountingAllocator",
+    "SortedAllocator",
+]

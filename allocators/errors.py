@@ -1,0 +1,41 @@
+"""Typed errors of the allocators package.
+
+Every error leaves the allocator exactly as it was before the call that raised it.
+Each error also subclasses the closest built-in (``ValueError``, ``TypeError``,
+``MemoryError``) so callers that only know the built-ins still catch it.
+"""
+
+from __future__ import annotations
+
+
+class AllocatorError(Exception):
+    """Base class of every allocator error."""
+
+
+class PoolExhausted(AllocatorError, MemoryError):
+    """Fewer pages are available than were requested.
+
+    ``requested`` and ``available`` are page counts; ``available`` counts free pages plus
+    cached-evictable pages (those can be evicted to satisfy an allocation).
+    """
+
+    def __init__(self, requested: int, available: int, what: str = "pages") -> None:
+        self.requested = requested
+        self.available = available
+        super().__init__(f"requested {requested} {what}, only {available} available")
+
+
+class InvalidPage(AllocatorError, ValueError):
+    """A page id that is out of range, reserved, or in the wrong state for the call."""
+
+
+class RefCountError(AllocatorError, ValueError):
+    """A reference count would become invalid: double free, incref of a free page, ..."""
+
+
+class InvalidArgument(AllocatorError, TypeError):
+    """An argument of the wrong type or value (non-integer ids, negative counts, ...)."""
+
+
+class InvariantViolation(AllocatorError, AssertionError):
+    """``check()`` found a page in no state, in two states, or counters that do not add up."""

@@ -1,0 +1,274 @@
+"""Behaviour of both allocator strategies: allocation, refcounts, caching, errors."""
+
+import numpy as np
+import pytest
+
+from allocators import (
+    NULL_PAGE,
+    FreeListAllocator,
+    InvalidArgument,
+    InvalidPage,
+    InvariantViolation,
+    PageState,
+    PoolExhausted,
+    RefCountError,
+    SortedAllocator,
+)
+
+STRATEGIES = [FreeListAllocator, SortedAllocator]
+
+
+@pytest.fixture(params=STRATEGIES, ids=lambda c: c.__name__)
+def make(request):
+    return request.param
+
+
+def snapshot(a):
+    return (a.stats(), a.cached_pages(), [a.refcount(i) for i in range(a.num_pages)])
+
+
+def test_allocate_hands_out_distinct_pages_with_count_one(make):
+    a = make(10)
+    ids = a.allocate(4)
+    assert len(set(ids)) == 4
+    assert all(a.refcount(i) == 1 and a.page_state(i) == PageState.IN_USE for i in ids)
+    assert a.num_free() == 6 and a.num_in_use() == 4
+    a.check()
+
+
+def test_allocate_zero_returns_empty(make):
+    a = make(4)
+    assert a.allocate(0).size == 0
+    assert a.num_free() == 4
+
+
+def test_exhaustion_is_atomic_and_reports_counts(make):
+    a = make(8)
+    a.allocate(5)
+    before = snapshot(a)
+    with pytest.raises(PoolExhausted) as e:
+        a.allocate(4)
+    assert (e.value.requested, e.value.available) == (4, 3)
+    assert isinstance(e.value, MemoryError)
+    assert snapshot(a) == before
+    a.check()
+
+
+def test_page_returns_to_free_only_at_zero(make):
+    a = make(4)
+    (p,) = a.allocate(1)
+    a.incref([p])
+    a.decref([p])
+    assert a.page_state(p) == PageState.IN_USE and a.refcount(p) == 1
+    a.decref([p])
+    assert a.page_state(p) == PageState.FREE
+    a.check()
+
+
+def test_fork_shares_pages(make):
+    a = make(6)
+    ids = a.allocate(3)
+    shared = a.fork(ids)
+    assert shared.tolist() == ids.tolist() and shared is not ids
+    assert all(a.refcount(i) == 2 for i in ids)
+    a.decref(ids)
+    assert a.num_in_use() == 3
+    a.decref(shared)
+    assert a.num_in_use() == 0
+    a.check()
+
+
+def test_decref_with_repeated_ids_drops_one_reference_each(make):
+    a = make(4)
+    (p,) = a.allocate(1)
+    a.incref([p, p])
+    a.decref([p, p])
+    assert a.refcount(p) == 1
+    before = snapshot(a)
+    with pytest.raises(RefCountError):
+        a.decref([p, p])
+    assert snapshot(a) == before
+
+
+def test_double_free_raises_and_changes_nothing(make):
+    a = make(4)
+    x, y = a.allocate(2)
+    a.decref([x])
+    before = snapshot(a)
+    with pytest.raises(RefCountError):
+        a.decref([y, x])  # y is valid, x is already free: nothing may change
+    assert snapshot(a) == before
+    assert a.refcount(y) == 1
+
+
+def test_incref_of_free_page_raises(make):
+    a = make(4)
+    before = snapshot(a)
+    with pytest.raises(RefCountError):
+        a.incref([2])
+    assert snapshot(a) == before
+
+
+@pytest.mark.parametrize("bad", [[-1], [4], [0, 99]])
+def test_out_of_range_ids_raise_invalid_page(make, bad):
+    a = make(4)
+    a.allocate(4)
+    before = snapshot(a)
+    for call in (a.incref, a.decref, a.fork, a.touch):
+        with pytest.raises(InvalidPage):
+            call(bad)
+    assert snapshot(a) == before
+
+
+@pytest.mark.parametrize("bad", [[1.0], [True], ["1"], np.zeros((1, 1), np.int64), 3, None, {1}])
+def test_non_integer_ids_raise_invalid_argument(make, bad):
+    a = make(4)
+    a.allocate(2)
+    before = snapshot(a)
+    with pytest.raises(InvalidArgument):
+        a.decref(bad)
+    assert snapshot(a) == before
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "2", True, None])
+def test_bad_counts_raise_invalid_argument(make, bad):
+    a = make(4)
+    with pytest.raises(InvalidArgument):
+        a.allocate(bad)
+    with pytest.raises(InvalidArgument):
+        a.evict(bad)
+    assert a.num_free() == 4
+
+
+def test_numpy_ids_are_accepted(make):
+    a = make(8)
+    ids = np.asarray(a.allocate(3), dtype=np.int32)
+    a.incref(ids)
+    a.decref(ids)
+    a.decref(ids)
+    assert a.num_in_use() == 0
+
+
+def test_null_page_is_never_handed_out(make):
+    a = make(5, null_page=True)
+    assert a.null_page == NULL_PAGE
+    ids = a.allocate(4)
+    assert NULL_PAGE not in ids
+    with pytest.raises(PoolExhausted):
+        a.allocate(1)
+    for call in (a.incref, a.decref, a.touch):
+        with pytest.raises(InvalidPage):
+            call([NULL_PAGE])
+    st = a.stats()
+    assert (st.reserved, st.in_use, st.free) == (1, 4, 0)
+    a.check()
+
+
+def test_cacheable_pages_become_cached_then_evict_in_lru_order(make):
+    evicted = []
+    a = make(6, on_evict=evicted.extend)
+    ids = a.allocate(4).tolist()
+    a.set_cacheable(ids[:3])
+    a.decref([ids[2], ids[0], ids[1]])  # release order = LRU order
+    assert a.cached_pages() == [ids[2], ids[0], ids[1]]
+    assert a.num_free() == 2 and a.num_available() == 5
+    a.touch([ids[2]])  # revived: count 1, out of the LRU
+    assert a.page_state(ids[2]) == PageState.IN_USE and a.refcount(ids[2]) == 1
+    assert a.evict(1) == [ids[0]]
+    assert evicted == [ids[0]]
+    assert a.page_state(ids[0]) == PageState.FREE
+    assert not a.is_cacheable(ids[0])
+    a.check()
+
+
+def test_allocate_evicts_cached_pages_only_when_free_runs_out(make):
+    evicted = []
+    a = make(4, on_evict=evicted.extend)
+    ids = a.allocate(4).tolist()
+    a.set_cacheable(ids)
+    a.decref(ids)
+    assert a.num_free() == 0 and a.num_cached() == 4
+    got = a.allocate(3)
+    assert evicted == ids[:3] and sorted(got) == sorted(ids[:3])
+    assert a.cached_pages() == [ids[3]]
+    assert a.stats().pages_evicted == 3
+    a.check()
+
+
+def test_uncaching_a_cached_page_frees_it(make):
+    a = make(3)
+    (p,) = a.allocate(1)
+    a.set_cacheable([p])
+    a.decref([p])
+    a.set_cacheable([p], False)
+    assert a.page_state(p) == PageState.FREE and a.num_cached() == 0
+    a.check()
+
+
+def test_touch_of_free_page_and_evict_past_cached_raise(make):
+    a = make(3)
+    before = snapshot(a)
+    with pytest.raises(RefCountError):
+        a.touch([1])
+    with pytest.raises(PoolExhausted):
+        a.evict(1)
+    assert snapshot(a) == before
+
+
+def test_stats_count_peak_and_counters(make):
+    a = make(8)
+    x = a.allocate(5)
+    a.decref(x[:3])
+    a.allocate(1)
+    st = a.stats()
+    assert (st.total, st.in_use, st.free, st.peak_in_use) == (8, 3, 5, 5)
+    assert (st.pages_allocated, st.pages_freed) == (6, 3)
+    assert st.available == 5
+
+
+def test_free_list_reuses_most_recently_freed_page_first():
+    a = FreeListAllocator(8)
+    ids = a.allocate(4).tolist()
+    a.decref([ids[1]])
+    a.decref([ids[3]])
+    assert a.allocate(2).tolist() == [ids[3], ids[1]]
+
+
+def test_sorted_hands_out_lowest_ids_and_reports_fragmentation():
+    a = SortedAllocator(10)
+    ids = a.allocate(10).tolist()
+    a.decref([ids[7], ids[2], ids[3], ids[8], ids[9]])
+    st = a.stats()
+    assert (st.free_runs, st.largest_free_run) == (2, 3)
+    assert a.allocate(1).tolist() == [2]
+
+
+def test_sorted_allocate_contiguous_finds_a_run_or_fails_atomically():
+    a = SortedAllocator(10)
+    a.allocate(10)
+    a.decref([1, 3, 4, 6, 7, 8])
+    assert a.allocate_contiguous(3).tolist() == [6, 7, 8]
+    before = snapshot(a)
+    with pytest.raises(PoolExhausted) as e:
+        a.allocate_contiguous(3)
+    assert e.value.available == 2
+    assert snapshot(a) == before
+    assert a.allocate_contiguous(2).tolist() == [3, 4]
+    a.check()
+
+
+def test_check_detects_a_corrupted_state(make):
+    a = make(4)
+    ids = a.allocate(2)
+    a._refcount[ids[0]] = 0  # simulate a bug: in use with no reference
+    with pytest.raises(InvariantViolation):
+        a.check()
+
+
+def test_debug_env_runs_check_after_every_call(make, monkeypatch):
+    monkeypatch.setenv("PAGEDKV_CHECK_INVARIANTS", "1")
+    a = make(4)
+    ids = a.allocate(2)
+    a._state[ids[0]] = 0  # corrupt; the next mutating call must notice
+    with pytest.raises(InvariantViolation):
+        a.allocate(1)
