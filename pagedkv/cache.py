@@ -1,0 +1,289 @@
+"""``PagedKVCache``: mlx-lm's per-layer cache protocol on top of a ``PagePool``.
+
+One ``PagedKVCache`` per layer; all layers of a sequence (of one attention kind) share
+one ``PageTable``, since a page id names the same slot in every layer of the pool::
+
+    make_paged_cache(model, pool) -> PagedPromptCache [cache_0, cache_1, ...]
+                                        │ layer i of the pool
+                                        └── table (shared by the layers of the sequence)
+
+The first layer to see a step reserves the step's slots in the table; every layer
+then writes its own K/V there (``PagePool.write``, the single write path) and reads its
+K/V back with one gather. With a sliding window the cache returns only the keys a
+query can still see and drops the rest from the table, so memory stays bounded.
+
+Ownership: the ``PagedPromptCache`` owns its tables; ``release()`` gives their pages
+back (once). Per-layer caches own nothing but their ``offset``.
+
+Protocol (mlx-lm 0.32): ``update_and_fetch``, ``offset``, ``make_mask``, ``state`` (get
+and set), ``from_state``, ``is_trimmable``, ``trim``, ``size``, ``empty``, ``nbytes``, and
+``keys_and_values`` for KV-sharing layers (gemma3n).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+from pagedkv.errors import KvDTypeError, KvShapeError, NotSupportedError, ReleasedError
+from pagedkv.mask import attention_mask
+from pagedkv.pool import PagePool
+from pagedkv.table import PageTable
+
+
+class PagedKVCache:
+    """One layer of one sequence: (pool layer, shared page table, own offset)."""
+
+    def __init__(self, table: PageTable, layer: int) -> None:
+        if not (0 <= layer < table.pool.num_layers):
+            raise IndexError(f"layer {layer} out of range [0, {table.pool.num_layers})")
+        self.table = table
+        self.pool = table.pool
+        self.layer = layer
+        self.offset = 0
+        self._last_start = 0  # first key position returned by the last fetch
+        table.members.append(self)
+
+    @property
+    def window(self) -> int | None:
+        return self.table.window
+
+    # ------------------------------------------------------------------ protocol
+    def _validate(self, keys: Any, values: Any) -> None:
+        pool = self.pool
+        for name, x, d in (("keys", keys, pool.head_dim), ("values", values, pool.v_head_dim)):
+            if not isinstance(x, mx.array):
+                raise KvShapeError(f"{name} must be an mx.array, got {type(x).__name__}")
+            if x.ndim != 4:
+                raise KvShapeError(f"{name} must be [B, kv_heads, T, D], got shape {tuple(x.shape)}")
+            b, h, t, dd = x.shape
+            if b != 1:
+                raise NotSupportedError(f"PagedKVCache holds one sequence; got batch {b} (use the batched cache)")
+            if h != pool.num_kv_heads:
+                raise KvShapeError(f"{name} have {h} kv heads, the pool {pool.num_kv_heads}")
+            if dd != d:
+                raise KvShapeError(f"{name} head_dim {dd} != pool's {d}")
+            if t == 0:
+                raise KvShapeError(f"{name} have no tokens (T = 0)")
+            if x.dtype != pool.dtype:
+                raise KvDTypeError(f"{name} dtype {x.dtype} != pool dtype {pool.dtype}")
+        if keys.shape[2] != values.shape[2]:
+            raise KvShapeError(f"keys have {keys.shape[2]} tokens, values {values.shape[2]}")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append [1, kv_heads, T, D] keys/values; return the keys/values attention needs.
+
+        Without a window: all tokens [0, offset + T). With a window W: tokens
+        [max(0, offset - W + 1), offset + T), which ``make_mask`` describes.
+        """
+        if self.table.released:
+            raise ReleasedError("cache used after its pages were released")
+        self._validate(keys, values)
+        start, count = self.offset, keys.shape[2]
+        table = self.table
+        if start != table.num_tokens and start + count > table.num_tokens:
+            raise KvShapeError(
+                f"layer {self.layer} is at {start} but its table at {table.num_tokens}: "
+                "layers of one sequence must advance together"
+            )
+        if start + count > table.num_tokens:
+            table.reserve(start + count - table.num_tokens)  # atomic
+        rows, slots = table.write_index(start, count)
+        self.pool.write(self.layer, rows, slots, keys[0], values[0])
+        self.offset = start + count
+        self._last_start = 0 if self.window is None else max(0, start - self.window + 1)
+        return self._fetch(self._last_start, self.offset)
+
+    def _fetch(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+        ps = self.pool.page_size
+        first = lo // ps
+        index = self.table.read_index(first, -(-hi // ps))
+        return self.pool.gather(self.layer, index, lo - first * ps, hi - first * ps)
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What the last ``update_and_fetch`` returned (KV-sharing layers read this)."""
+        if self.table.released:
+            raise ReleasedError("cache used after its pages were released")
+        if self.offset == 0:
+            raise KvShapeError("cache is empty")
+        return self._fetch(self._last_start, self.offset)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
+        """The mask matching the keys the next ``update_and_fetch(N tokens)`` returns."""
+        if self.window is None:
+            return attention_mask(N, self.offset, return_array, window_size)
+        lo = max(0, self.offset - self.window + 1)
+        window = window_size or self.window
+        local = self.offset - lo
+        if N == 1 and window >= local + 1 and not return_array:
+            return None
+        if local + N > window or return_array:
+            return attention_mask(N, local, True, window)
+        return "causal"
+
+    def size(self) -> int:
+        return self.offset if self.window is None else min(self.offset, self.window)
+
+    def empty(self) -> bool:
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's share of the pages the sequence holds (reserved, not live)."""
+        return self.table.num_pages * self.pool.bytes_per_page_per_layer
+
+    def is_trimmable(self) -> bool:
+        return self.window is None or self.offset < self.window
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens of this layer; returns the count trimmed.
+
+        Once every layer sharing the table has trimmed, the table frees the tail pages.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be a non-negative int, got {n!r}")
+        n = min(self.offset, n)
+        self.offset -= n
+        self._last_start = min(self._last_start, self.offset)
+        target = max(c.offset for c in self.table.members)
+        if target < self.table.num_tokens:
+            self.table.trim(self.table.num_tokens - target)
+        return n
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """Owned contiguous copies of this layer's K/V, [1, kv_heads, offset, D]."""
+        k, v = self._fetch(self.table.first_visible(), self.offset)
+        mx.eval(k, v)
+        return k, v
+
+    @state.setter
+    def state(self, kv: tuple[mx.array, mx.array]) -> None:
+        """Replace this layer's contents with ``(keys, values)`` [1, kv_heads, L, D]."""
+        keys, values = kv[0], kv[1]
+        self._validate(keys, values)
+        if any(c.offset for c in self.table.members if c is not self):
+            raise NotSupportedError("set state on a fresh sequence (its other layers hold tokens)")
+        self.trim(self.offset)
+        self.update_and_fetch(keys, values)
+
+    @classmethod
+    def from_state(cls, state: tuple[mx.array, mx.array], pool: PagePool | None = None) -> PagedKVCache:
+        """A one-layer cache holding ``state``; makes a private pool unless one is given."""
+        keys, values = state[0], state[1]
+        if pool is None:
+            _, h, length, d = keys.shape
+            ps = 16
+            pool = PagePool(
+                num_layers=1, num_kv_heads=h, head_dim=d, v_head_dim=values.shape[-1],
+                page_size=ps, num_pages=-(-length // ps) + 2, dtype=keys.dtype,
+            )
+        cache = cls(PageTable(pool), 0)
+        cache.state = (keys, values)
+        return cache
+
+    def __repr__(self) -> str:
+        return f"PagedKVCache(layer={self.layer}, offset={self.offset}, window={self.window})"
+
+
+class PagedPromptCache(list):
+    """The per-layer caches of one sequence (a list, as mlx-lm expects) plus their tables.
+
+    Owns the tables: ``release()`` (or leaving a ``with`` block) returns every page.
+    """
+
+    def __init__(self, caches: list[PagedKVCache]) -> None:
+        super().__init__(caches)
+        self.tables: list[PageTable] = list({id(c.table): c.table for c in caches}.values())
+
+    def fork(self) -> PagedPromptCache:
+        """A second sequence sharing all pages so far (copy-on-write on the next write)."""
+        new_tables = {id(t): t.fork() for t in self.tables}
+        out = []
+        for c in self:
+            nc = PagedKVCache(new_tables[id(c.table)], c.layer)
+            nc.offset, nc._last_start = c.offset, c._last_start
+            out.append(nc)
+        return PagedPromptCache(out)
+
+    @property
+    def released(self) -> bool:
+        return all(t.released for t in self.tables)
+
+    def release(self) -> None:
+        """Give back every page of this sequence; a second call raises ``ReleasedError``."""
+        if self.released:
+            raise ReleasedError("prompt cache released twice")
+        for t in self.tables:
+            t.release()
+
+    @property
+    def num_tokens(self) -> int:
+        return max((c.offset for c in self), default=0)
+
+    def __enter__(self) -> PagedPromptCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.released:
+            self.release()
+
+
+def _layer_windows(model, max_kv_size: int | None) -> list[int | None]:
+    """Per cache slot: None (full attention) or the sliding-window size, from the model."""
+    if hasattr(model, "make_cache"):
+        windows = []
+        for c in model.make_cache():
+            kind = type(c).__name__
+            if kind == "KVCache":
+                windows.append(None)
+            elif kind == "RotatingKVCache":
+                if getattr(c, "keep", 0):
+                    raise NotSupportedError("rotating caches with keep > 0 are not supported")
+                windows.append(c.max_size)
+            else:
+                raise NotSupportedError(f"model asks for a {kind}; pagedkv pages KVCache and RotatingKVCache")
+        return windows
+    return [max_kv_size] * len(model.layers)
+
+
+def make_paged_cache(
+    model,
+    pool: PagePool,
+    *,
+    sliding_pool: PagePool | None = None,
+    max_kv_size: int | None = None,
+) -> PagedPromptCache:
+    """The paged twin of ``mlx_lm.models.cache.make_prompt_cache`` for one sequence.
+
+    Full-attention layers share one table in ``pool``; sliding-window layers share a
+    second table. With ``sliding_pool`` the sliding layers live there (its layers
+    numbered in order of the sliding layers; the full layers take ``pool``'s layers in
+    order), so window-bounded pages do not reserve slots in full-attention layers.
+    Without it, cache slot i uses layer i of ``pool``.
+    """
+    windows = _layer_windows(model, max_kv_size)
+    full_table: PageTable | None = None
+    sliding_tables: dict[tuple[int, int], PageTable] = {}
+    caches = []
+    n_full = n_sliding = 0
+    for i, w in enumerate(windows):
+        if w is None:
+            target, layer = pool, (n_full if sliding_pool is not None else i)
+            n_full += 1
+            if full_table is None:
+                full_table = PageTable(pool)
+            table = full_table
+        else:
+            target = sliding_pool if sliding_pool is not None else pool
+            layer = n_sliding if sliding_pool is not None else i
+            n_sliding += 1
+            key = (id(target), w)
+            if key not in sliding_tables:
+                sliding_tables[key] = PageTable(target, window=w)
+            table = sliding_tables[key]
+        if layer >= target.num_layers:
+            raise ValueError(f"pool has {target.num_layers} layers; the model needs more")
+        caches.append(PagedKVCache(table, layer))
+    return PagedPromptCache(caches)

@@ -1,0 +1,235 @@
+"""``PagePool``: the physical K/V pages of every layer, and the only code that writes them.
+
+Layout (chosen by measurement, see bench/RESULTS.md): per layer, one K and one V array,
+head-major::
+
+    K[layer]: [kv_heads * num_pages, page_size, head_dim]      row = head * num_pages + page
+    V[layer]: [kv_heads * num_pages, page_size, v_head_dim]
+
+    page p of head h is the contiguous [page_size, head_dim] block K[layer][h * P + p].
+
+A page id names the same slot in every layer (one allocator for the whole pool, as in
+vLLM), so one page table serves all layers of a sequence. Gathering n pages is one
+``take`` along axis 0 with indices ``h * P + pages`` → [kv_heads * n, page_size, D],
+which reshapes to [1, kv_heads, n * page_size, D] with no transpose.
+
+Ownership: the pool owns its arrays for its whole life and never hands them out; reads
+return new (lazy) arrays. Writes are in place: MLX reuses ("donates") an array's buffer
+for ``a[idx] = v`` only when nothing else references the old array; a second Python
+reference or a still-pending lazy read of it turns every token write into a copy of the
+whole layer. Therefore (1) the arrays are private; (2) views hold the *pool*, never an
+array, and read the current array when they attend; (3) before writing a layer, the pool
+evaluates reads of that layer that are still alive (tracked by weak reference), so a
+caller holding an unevaluated read cannot silently make the write O(pool).
+
+Costs: ``write`` is O(tokens written) (one scatter per layer per K and V); ``gather`` is
+O(pages read); ``copy_pages`` is O(pages * layers).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from allocators import FreeListAllocator, RefCountingAllocator
+from pagedkv.errors import KvDTypeError, KvShapeError
+
+DEFAULT_CACHE_LIMIT = 1 << 30
+"""Bytes of freed buffers MLX may keep for reuse, set when a pool is created (see
+``PagePool(cache_limit=...)``). MLX's CPU default keeps ~32 MiB, so every gather larger
+than that maps fresh OS memory; bench/RESULTS.md has the measurement."""
+
+
+def _check_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+class PagePool:
+    """Fixed-size K/V pages for ``num_layers`` layers, one page-id space, one allocator.
+
+    Give ``num_pages`` directly or a byte budget ``max_bytes`` (K + V of all layers).
+    Page 0 is the allocator's reserved null page: never handed out, it stands in for
+    pages that left a sliding window. ``cache_limit`` raises MLX's buffer-cache limit to
+    at least this many bytes (``None`` leaves it alone).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        v_head_dim: int | None = None,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        max_bytes: int | None = None,
+        dtype: mx.Dtype = mx.float16,
+        allocator: RefCountingAllocator | None = None,
+        cache_limit: int | None = DEFAULT_CACHE_LIMIT,
+    ) -> None:
+        self.num_layers = _check_positive("num_layers", num_layers)
+        self.num_kv_heads = _check_positive("num_kv_heads", num_kv_heads)
+        self.head_dim = _check_positive("head_dim", head_dim)
+        self.v_head_dim = _check_positive("v_head_dim", v_head_dim if v_head_dim is not None else head_dim)
+        self.page_size = _check_positive("page_size", page_size)
+        if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
+            raise KvDTypeError(f"dtype must be an MLX floating dtype, got {dtype!r}")
+        self.dtype = dtype
+        per_page = self.bytes_per_page
+        if (num_pages is None) == (max_bytes is None):
+            raise ValueError("give exactly one of num_pages and max_bytes")
+        if num_pages is None:
+            num_pages = int(_check_positive("max_bytes", max_bytes) // per_page)
+            if num_pages < 2:
+                raise ValueError(f"max_bytes={max_bytes} holds fewer than 2 pages of {per_page} bytes")
+        self.num_pages = _check_positive("num_pages", num_pages)
+        if allocator is None:
+            allocator = FreeListAllocator(self.num_pages, null_page=True)
+        elif allocator.num_pages != self.num_pages:
+            raise ValueError(f"allocator has {allocator.num_pages} pages, pool has {self.num_pages}")
+        self.allocator = allocator
+        self.null_page = allocator.null_page
+        rows = self.num_kv_heads * self.num_pages
+        self._k = [mx.zeros((rows, self.page_size, self.head_dim), dtype) for _ in range(self.num_layers)]
+        self._v = [mx.zeros((rows, self.page_size, self.v_head_dim), dtype) for _ in range(self.num_layers)]
+        mx.eval(self._k, self._v)
+        self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.num_pages
+        self._reads: list[list[weakref.ref]] = [[] for _ in range(self.num_layers)]
+        if cache_limit is not None:
+            raise_cache_limit(cache_limit)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def bytes_per_page(self) -> int:
+        """Bytes of one page id across all layers, K and V."""
+        per_token = self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+        return per_token * self.page_size * self.num_layers
+
+    @property
+    def bytes_per_page_per_layer(self) -> int:
+        return self.bytes_per_page // self.num_layers
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token occupies across all layers, K and V."""
+        return self.bytes_per_page // self.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes_per_page * self.num_pages
+
+    # ------------------------------------------------------------------ index helpers
+    def rows(self, pages: np.ndarray) -> np.ndarray:
+        """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
+        return self._head_base + pages[None, :]
+
+    def token_rows_slots(self, pages: np.ndarray, start: int, count: int) -> tuple[mx.array, mx.array]:
+        """Scatter indices for tokens [start, start + count) of a table listing ``pages``.
+
+        Returns (rows int32 [kv_heads, count], slots int32 [count]); reused by every
+        layer of one step.
+        """
+        pos = np.arange(start, start + count)
+        tok_pages = pages[pos // self.page_size]
+        rows = self._head_base + tok_pages[None, :]
+        return mx.array(rows.astype(np.int32)), mx.array((pos % self.page_size).astype(np.int32))
+
+    def gather_index(self, pages: np.ndarray) -> mx.array:
+        """Flat int32 take-indices [kv_heads * n] for reading ``pages`` in order."""
+        return mx.array(self.rows(pages).reshape(-1).astype(np.int32))
+
+    # ------------------------------------------------------------------ read / write
+    def _validate(self, layer: int, keys: mx.array, values: mx.array) -> None:
+        if not (0 <= layer < self.num_layers):
+            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        for name, x, d in (("keys", keys, self.head_dim), ("values", values, self.v_head_dim)):
+            if not isinstance(x, mx.array):
+                raise KvShapeError(f"{name} must be an mx.array, got {type(x).__name__}")
+            if x.ndim != 3 or x.shape[0] != self.num_kv_heads or x.shape[2] != d:
+                raise KvShapeError(
+                    f"{name} must be [kv_heads={self.num_kv_heads}, T, {d}], got {tuple(x.shape)}"
+                )
+            if x.dtype != self.dtype:
+                raise KvDTypeError(f"{name} dtype {x.dtype} != pool dtype {self.dtype}")
+        if keys.shape[1] != values.shape[1]:
+            raise KvShapeError(f"keys have {keys.shape[1]} tokens, values {values.shape[1]}")
+
+    def write(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Write tokens into ``layer``: ``keys`` [kv_heads, T, D] go to (rows, slots).
+
+        The single write path of pagedkv. In place (buffer donation) unless a caller
+        keeps a pending read of this layer, which is evaluated first.
+        """
+        self._validate(layer, keys, values)
+        self._settle_reads(layer)
+        self._k[layer][rows, slots] = keys
+        self._v[layer][rows, slots] = values
+
+    def gather(self, layer: int, index: mx.array, start: int, stop: int) -> tuple[mx.array, mx.array]:
+        """Read tokens [start, stop) of the pages named by ``index`` (see ``gather_index``).
+
+        ``start`` counts from the first listed page. Returns new lazy arrays
+        [1, kv_heads, stop - start, D]; the pool keeps a weak reference to them so a later
+        write of this layer can settle them first (module doc).
+        """
+        n = index.shape[0] // self.num_kv_heads
+        k = mx.take(self._k[layer], index, axis=0).reshape(1, self.num_kv_heads, n * self.page_size, self.head_dim)
+        v = mx.take(self._v[layer], index, axis=0).reshape(1, self.num_kv_heads, n * self.page_size, self.v_head_dim)
+        if start or stop != n * self.page_size:
+            k = k[:, :, start:stop]
+            v = v[:, :, start:stop]
+        reads = self._reads[layer]
+        if len(reads) > 64:
+            reads[:] = [r for r in reads if r() is not None]
+        reads.append(weakref.ref(k))
+        reads.append(weakref.ref(v))
+        return k, v
+
+    def _settle_reads(self, layer: int) -> None:
+        reads = self._reads[layer]
+        if reads:
+            alive = [a for a in (r() for r in reads) if a is not None]
+            reads.clear()
+            if alive:
+                mx.eval(alive)
+
+    def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy pages ``src`` onto pages ``dst`` in every layer (copy-on-write)."""
+        if src.size == 0:
+            return
+        s = mx.array(self.rows(src).reshape(-1).astype(np.int32))
+        d = mx.array(self.rows(dst).reshape(-1).astype(np.int32))
+        for layer in range(self.num_layers):
+            self._settle_reads(layer)
+            kb = mx.take(self._k[layer], s, axis=0)
+            vb = mx.take(self._v[layer], s, axis=0)
+            mx.eval(kb, vb)  # detach the reads from the layer arrays so the writes donate
+            self._k[layer][d] = kb
+            self._v[layer][d] = vb
+        mx.eval(self._k, self._v)
+
+    def each_layer_array(self, fn: Callable[[mx.array, mx.array], None]) -> None:
+        """Call ``fn(K, V)`` per layer (for tests and tools; do not keep the arrays)."""
+        for k, v in zip(self._k, self._v):
+            fn(k, v)
+
+    def __repr__(self) -> str:
+        return (
+            f"PagePool(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"page_size={self.page_size}, pages={self.num_pages}, dtype={self.dtype}, "
+            f"{self.nbytes / 2**20:.1f} MiB)"
+        )
+
+
+def raise_cache_limit(nbytes: int) -> int:
+    """Raise MLX's buffer-cache limit to at least ``nbytes``; returns the limit in force."""
+    previous = mx.set_cache_limit(nbytes)
+    if previous > nbytes:
+        mx.set_cache_limit(previous)
+        return previous
+    return nbytes

@@ -1,0 +1,113 @@
+"""PagedKVCache vs mlx-lm's own KVCache / RotatingKVCache, on mlx-lm's own model classes."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from tiny_models import greedy, make_model, make_pool, prompt_of
+
+from pagedkv import make_paged_cache
+
+STEPS = 64
+
+
+@pytest.fixture(scope="module")
+def models():
+    return {k: make_model(k) for k in ("llama", "qwen3", "gemma3n")}
+
+
+def assert_same(ref, got):
+    ref_tokens, ref_logits = ref
+    tokens, logits = got
+    assert tokens == ref_tokens
+    worst = max(mx.abs(a - b).max().item() for a, b in zip(ref_logits, logits))
+    assert worst <= 1e-5, worst
+
+
+def assert_all_pages_back(pool):
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3n"])
+@pytest.mark.parametrize("page_size,prompt_len", [(16, 32), (16, 33), (1, 20), (64, 64), (64, 65), (13, 26), (13, 27)])
+def test_greedy_decode_matches_mlx_lm(models, kind, page_size, prompt_len):
+    model = models[kind]
+    prompt = prompt_of(prompt_len)
+    ref = greedy(model, prompt, make_prompt_cache(model), STEPS)
+    pool = make_pool(kind, page_size=page_size, num_pages=512)
+    with make_paged_cache(model, pool) as cache:
+        got = greedy(model, prompt, cache, STEPS)
+        pool.allocator.check()
+    assert_same(ref, got)
+    assert_all_pages_back(pool)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3n"])
+def test_sliding_window_bounds_pages_held(models, kind):
+    model = models[kind]
+    pool = make_pool(kind, page_size=4, num_pages=512)
+    with make_paged_cache(model, pool) as cache:
+        greedy(model, prompt_of(40), cache, 40)
+        for table in cache.tables:
+            if table.window is not None:
+                assert table.num_pages <= -(-table.window // 4) + 1
+                assert table.first_visible() > 0  # pages really were dropped
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_trim_and_regenerate_matches_mlx_lm(models, kind):
+    model = models[kind]
+    prompt = prompt_of(30)
+    ref_cache = make_prompt_cache(model)
+    greedy(model, prompt, ref_cache, 20)
+    pool = make_pool(kind, page_size=8)
+    with make_paged_cache(model, pool) as cache:
+        greedy(model, prompt, cache, 20)
+        held = pool.allocator.num_in_use()
+        assert trim_prompt_cache(cache, 17) == 17
+        assert trim_prompt_cache(ref_cache, 17) == 17
+        assert pool.allocator.num_in_use() < held  # tail pages went back
+        assert cache[0].offset == ref_cache[0].offset
+        ref = greedy(model, [5, 6, 7], ref_cache, 24)
+        got = greedy(model, [5, 6, 7], cache, 24)
+        assert_same(ref, got)
+        pool.allocator.check()
+    assert_all_pages_back(pool)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3n"])
+def test_forked_sequences_each_match_an_unforked_run(models, kind):
+    model = models[kind]
+    prompt = prompt_of(21)  # ends inside a page: the first write after the fork copies it
+    pool = make_pool(kind, page_size=8)
+    cache_a = make_paged_cache(model, pool)
+    logits = model(mx.array(prompt)[None], cache=cache_a)
+    mx.eval(logits)
+    cache_b = cache_a.fork()
+    shared = pool.allocator.num_in_use()
+    out = {}
+    for name, cache, first in (("a", cache_a, 3), ("b", cache_b, 9)):
+        out[name] = greedy(model, [first], cache, 24)
+    assert pool.allocator.num_in_use() > shared  # copy-on-write happened
+    for name, first in (("a", 3), ("b", 9)):
+        ref_cache = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=ref_cache)
+        assert_same(greedy(model, [first], ref_cache, 24), out[name])
+    cache_a.release()
+    cache_b.release()
+    assert_all_pages_back(pool)
+
+
+def test_generate_step_runs_on_a_paged_cache(models):
+    model = models["llama"]
+    prompt = mx.array(prompt_of(24))
+    greedy_sampler = lambda lp: mx.argmax(lp, axis=-1)  # noqa: E731
+    ref = [t for t, _ in generate_step(prompt, model, max_tokens=32, sampler=greedy_sampler,
+                                       prompt_cache=make_prompt_cache(model))]
+    pool = make_pool("llama", page_size=16)
+    with make_paged_cache(model, pool) as cache:
+        got = [t for t, _ in generate_step(prompt, model, max_tokens=32, sampler=greedy_sampler,
+                                           prompt_cache=cache)]
+    assert got == ref
+    assert_all_pages_back(pool)

@@ -1,0 +1,208 @@
+"""PagePool writes and reads, PageTable reserve/trim/fork/release, bad input."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from pagedkv import (
+    KvDTypeError,
+    KvShapeError,
+    NotSupportedError,
+    PagedKVCache,
+    PagePool,
+    PageTable,
+    PoolExhausted,
+    ReleasedError,
+)
+
+H, D = 2, 8
+
+
+def pool_of(num_pages=16, page_size=4, dtype=mx.float32, layers=2):
+    return PagePool(num_layers=layers, num_kv_heads=H, head_dim=D, page_size=page_size,
+                    num_pages=num_pages, dtype=dtype)
+
+
+def kv(t, dtype=mx.float32, seed=0):
+    mx.random.seed(seed)
+    return (mx.random.normal((1, H, t, D)).astype(dtype), mx.random.normal((1, H, t, D)).astype(dtype))
+
+
+def pool_snapshot(pool):
+    arrays = []
+    pool.each_layer_array(lambda k, v: arrays.append((np.array(k), np.array(v))))
+    return pool.allocator.stats(), arrays
+
+
+def test_pool_sizes_from_a_byte_budget():
+    p = PagePool(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, max_bytes=1 << 20,
+                 dtype=mx.float16)
+    assert p.bytes_per_page == 4 * 2 * (64 + 64) * 2 * 16
+    assert p.num_pages == (1 << 20) // p.bytes_per_page
+    assert p.nbytes <= 1 << 20
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_pages=0), dict(page_size=0), dict(num_pages=8, max_bytes=10),
+                                    dict(num_pages=None), dict(dtype=mx.int32)])
+def test_pool_rejects_bad_configuration(kwargs):
+    base = dict(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=8)
+    base.update(kwargs)
+    with pytest.raises((ValueError, TypeError)):
+        PagePool(**base)
+
+
+def test_cache_returns_what_was_written_across_pages():
+    pool = pool_of()
+    cache = PagedKVCache(PageTable(pool), 0)
+    k1, v1 = kv(6, seed=1)
+    k2, v2 = kv(3, seed=2)
+    cache.update_and_fetch(k1, v1)
+    k, v = cache.update_and_fetch(k2, v2)
+    assert mx.array_equal(k, mx.concatenate([k1, k2], axis=2))
+    assert mx.array_equal(v, mx.concatenate([v1, v2], axis=2))
+    assert cache.offset == 9 and cache.table.num_pages == 3
+
+
+@pytest.mark.parametrize(
+    "keys,values,error",
+    [
+        (mx.zeros((H, 3, D)), mx.zeros((H, 3, D)), KvShapeError),  # wrong rank
+        (mx.zeros((1, H + 1, 3, D)), mx.zeros((1, H + 1, 3, D)), KvShapeError),  # heads
+        (mx.zeros((1, H, 3, D + 1)), mx.zeros((1, H, 3, D + 1)), KvShapeError),  # head_dim
+        (mx.zeros((1, H, 0, D)), mx.zeros((1, H, 0, D)), KvShapeError),  # T = 0
+        (mx.zeros((1, H, 3, D)), mx.zeros((1, H, 2, D)), KvShapeError),  # T mismatch
+        (mx.zeros((1, H, 3, D), mx.float16), mx.zeros((1, H, 3, D), mx.float16), KvDTypeError),
+        (mx.zeros((2, H, 3, D)), mx.zeros((2, H, 3, D)), NotSupportedError),  # batch
+        (np.zeros((1, H, 3, D), np.float32), mx.zeros((1, H, 3, D)), KvShapeError),
+    ],
+)
+def test_bad_input_raises_typed_error_and_changes_nothing(keys, values, error):
+    pool = pool_of()
+    cache = PagedKVCache(PageTable(pool), 0)
+    cache.update_and_fetch(*kv(5))
+    before = pool_snapshot(pool)
+    with pytest.raises(error):
+        cache.update_and_fetch(keys, values)
+    after = pool_snapshot(pool)
+    assert before[0] == after[0]
+    assert all(np.array_equal(a, b) for x, y in zip(before[1], after[1]) for a, b in zip(x, y))
+    assert cache.offset == 5 and cache.table.num_tokens == 5
+
+
+def test_pool_exhausted_leaves_cache_and_pool_unchanged():
+    pool = pool_of(num_pages=4, page_size=4)  # 3 usable pages (page 0 is the null page)
+    cache = PagedKVCache(PageTable(pool), 0)
+    cache.update_and_fetch(*kv(10))
+    before = pool.allocator.stats()
+    with pytest.raises(PoolExhausted):
+        cache.update_and_fetch(*kv(5))
+    assert pool.allocator.stats() == before
+    assert cache.offset == 10 and cache.table.num_tokens == 10
+    k, _ = cache.update_and_fetch(*kv(2, seed=3))  # still usable
+    assert k.shape[2] == 12
+
+
+def test_trim_returns_tail_pages_and_release_returns_all():
+    pool = pool_of(page_size=4)
+    t = PageTable(pool)
+    t.reserve(10)
+    assert pool.allocator.num_in_use() == 3
+    assert t.trim(5) == 5
+    assert t.num_tokens == 5 and pool.allocator.num_in_use() == 2
+    assert t.trim(100) == 5 and pool.allocator.num_in_use() == 0
+    t.reserve(1)
+    t.release()
+    assert pool.allocator.num_in_use() == 0
+    with pytest.raises(ReleasedError):
+        t.release()
+    with pytest.raises(ReleasedError):
+        t.reserve(1)
+    pool.allocator.check()
+
+
+def test_fork_shares_pages_and_copies_a_shared_partial_page_on_write():
+    pool = pool_of(page_size=4)
+    a = PagedKVCache(PageTable(pool), 0)
+    k0, v0 = kv(6, seed=4)
+    a.update_and_fetch(k0, v0)
+    tb = a.table.fork()
+    b = PagedKVCache(tb, 0)
+    b.offset = 6
+    assert pool.allocator.num_in_use() == 2
+    ka, _ = a.update_and_fetch(*kv(1, seed=5))
+    kb, _ = b.update_and_fetch(*kv(1, seed=6))
+    assert pool.allocator.num_in_use() == 3  # one copied page
+    assert mx.array_equal(ka[:, :, :6], k0) and mx.array_equal(kb[:, :, :6], k0)
+    assert not mx.array_equal(ka[:, :, 6], kb[:, :, 6])
+    assert a.table.pages[0] == tb.pages[0] and a.table.pages[1] != tb.pages[1]
+    a.table.release()
+    tb.release()
+    assert pool.allocator.num_in_use() == 0
+
+
+def test_sliding_table_drops_pages_behind_the_window_and_refuses_deep_trim():
+    pool = pool_of(page_size=4, num_pages=32)
+    t = PageTable(pool, window=6)
+    for _ in range(30):
+        t.reserve(1)
+    assert t.num_pages <= 3
+    assert (t.pages[: t.first_visible() // 4] == pool.null_page).all()
+    with pytest.raises(ValueError):
+        t.trim(20)
+    assert t.num_tokens == 30
+    t.release()
+    assert pool.allocator.num_in_use() == 0
+
+
+def test_state_round_trips_and_from_state_builds_a_private_pool():
+    pool = pool_of()
+    cache = PagedKVCache(PageTable(pool), 0)
+    k, v = kv(7, seed=9)
+    cache.state = (k, v)
+    sk, sv = cache.state
+    assert mx.array_equal(sk, k) and mx.array_equal(sv, v)
+    other = PagedKVCache.from_state((k, v))
+    assert other.offset == 7 and mx.array_equal(other.state[0], k)
+    assert cache.nbytes == 2 * pool.bytes_per_page_per_layer
+
+
+def test_use_after_release_raises():
+    pool = pool_of()
+    cache = PagedKVCache(PageTable(pool), 0)
+    cache.update_and_fetch(*kv(3))
+    cache.table.release()
+    with pytest.raises(ReleasedError):
+        cache.update_and_fetch(*kv(1))
+    with pytest.raises(ReleasedError):
+        cache.keys_and_values()
+
+
+def test_token_writes_are_in_place_not_copies_of_the_pool():
+    """A regression here silently makes every token write O(pool size)."""
+    pool = PagePool(num_layers=1, num_kv_heads=4, head_dim=64, page_size=16, num_pages=8192,
+                    dtype=mx.float32)  # 128 MiB of K + V
+    cache = PagedKVCache(PageTable(pool), 0)
+    k = mx.random.normal((1, 4, 1, 64))
+    mx.eval(cache.update_and_fetch(k, k))
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    for _ in range(200):
+        keys, values = cache.update_and_fetch(k, k)
+        mx.eval(keys, values)
+    growth = mx.get_peak_memory() - base
+    assert growth < pool.nbytes / 16, growth
+
+
+def test_a_caller_holding_an_unevaluated_read_does_not_make_writes_copy():
+    pool = PagePool(num_layers=1, num_kv_heads=4, head_dim=64, page_size=16, num_pages=8192,
+                    dtype=mx.float32)
+    cache = PagedKVCache(PageTable(pool), 0)
+    k = mx.ones((1, 4, 1, 64))
+    mx.eval(cache.update_and_fetch(k, k))
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    held = []
+    for _ in range(20):
+        held.append(cache.update_and_fetch(k, k))  # never evaluated by the caller
+    mx.eval(held)
+    assert mx.get_peak_memory() - base < pool.nbytes / 4

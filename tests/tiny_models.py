@@ -1,0 +1,85 @@
+"""Tiny random-weight mlx-lm models (mlx-lm's own classes, no download) for reference tests."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes
+
+from pagedkv import PagePool
+
+VOCAB = 128
+
+CONFIGS = {
+    "llama": {
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    },
+    "qwen3": {
+        "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB, "max_position_embeddings": 1024, "head_dim": 32,
+        "tie_word_embeddings": True, "rope_theta": 1000000.0,
+    },
+    "gemma3n": {
+        "model_type": "gemma3n",
+        "text_config": {
+            "model_type": "gemma3n_text", "hidden_size": 64, "num_hidden_layers": 6,
+            "intermediate_size": 96, "num_attention_heads": 4, "head_dim": 16,
+            "rms_norm_eps": 1e-6, "vocab_size": VOCAB, "num_key_value_heads": 2,
+            "num_kv_shared_layers": 2, "vocab_size_per_layer_input": VOCAB,
+            "sliding_window": 12, "max_position_embeddings": 1024,
+            "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0,
+            "final_logit_softcapping": 30.0,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
+                            "sliding_attention", "sliding_attention", "full_attention"],
+            "activation_sparsity_pattern": [0.0] * 6, "hidden_size_per_layer_input": 8,
+            "altup_num_inputs": 2, "altup_coef_clip": 120.0, "altup_correct_scale": True,
+            "altup_active_idx": 0, "laurel_rank": 8,
+        },
+    },
+}
+
+
+def make_model(kind: str, seed: int = 0):
+    """A float32 mlx-lm model of ``kind`` with random weights, evaluated."""
+    cfg = CONFIGS[kind]
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(seed)
+    model = model_cls(args_cls.from_dict(cfg))
+    mx.eval(model.parameters())
+    return model
+
+
+def kv_dims(kind: str) -> tuple[int, int, int]:
+    """(cache slots, kv heads, head_dim) of ``kind``'s caches."""
+    cfg = CONFIGS[kind]
+    if kind == "gemma3n":
+        t = cfg["text_config"]
+        return t["num_hidden_layers"] - t["num_kv_shared_layers"], t["num_key_value_heads"], t["head_dim"]
+    head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim
+
+
+def make_pool(kind: str, page_size: int = 16, num_pages: int = 256, dtype=mx.float32) -> PagePool:
+    layers, heads, head_dim = kv_dims(kind)
+    return PagePool(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+                    page_size=page_size, num_pages=num_pages, dtype=dtype)
+
+
+def greedy(model, prompt: list[int], cache, steps: int) -> tuple[list[int], list[mx.array]]:
+    """Prefill ``prompt`` then ``steps`` greedy tokens; returns (tokens, logits per step)."""
+    logits = model(mx.array(prompt)[None], cache=cache)[0, -1]
+    tokens, all_logits = [], []
+    for _ in range(steps):
+        mx.eval(logits)
+        all_logits.append(logits)
+        tok = int(mx.argmax(logits).item())
+        tokens.append(tok)
+        logits = model(mx.array([[tok]]), cache=cache)[0, -1]
+    return tokens, all_logits
+
+
+def prompt_of(length: int, seed: int = 1) -> list[int]:
+    mx.random.seed(seed)
+    return mx.random.randint(0, VOCAB, (length,)).tolist()
