@@ -3,10 +3,16 @@
 - :class:`PagePool`: the physical K/V pages of all layers (the only writer).
 - :class:`PageTable`: one sequence's pages and length; reserve / trim / fork / release.
 - :class:`PagedKVCache`, :func:`make_paged_cache`: mlx-lm's cache protocol on pages.
+- :class:`KvAttentionView`, :data:`SharedKv` (:class:`PlainKv`, :class:`QuantKv`,
+  :class:`ViewKv`), :class:`ForwardPass`, :class:`KvSharingPlan`: the donor/sharer contract.
+- :class:`DonorCache`: run an mlx-lm model through a ForwardPass; :class:`DrafterKv`:
+  a speculative drafter's views of the target's K/V.
 """
 
 from allocators import PoolExhausted
 from pagedkv.cache import PagedKVCache, PagedPromptCache, make_paged_cache
+from pagedkv.donor_cache import DonorCache, donor_caches
+from pagedkv.drafter import DrafterKv
 from pagedkv.errors import (
     KvDTypeError,
     KvShapeError,
@@ -14,10 +20,25 @@ from pagedkv.errors import (
     PagedKvError,
     ReleasedError,
 )
+from pagedkv.forward_pass import ForwardPass, KvLeakError
 from pagedkv.pool import PagePool, raise_cache_limit
+from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
+from pagedkv.sharing_plan import KvSharingPlan
 from pagedkv.table import PageTable
+from pagedkv.view import KvAttentionView
 
 __all__ = [
+    "DonorCache",
+    "DrafterKv",
+    "ForwardPass",
+    "KvAttentionView",
+    "KvLeakError",
+    "KvSharingPlan",
+    "PlainKv",
+    "QuantKv",
+    "SharedKv",
+    "ViewKv",
+    "donor_caches",
     "KvDTypeError",
     "KvShapeError",
     "NotSupportedError",

@@ -71,11 +71,10 @@ class PagedKVCache:
         if keys.shape[2] != values.shape[2]:
             raise KvShapeError(f"keys have {keys.shape[2]} tokens, values {values.shape[2]}")
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append [1, kv_heads, T, D] keys/values; return the keys/values attention needs.
+    def write(self, keys: mx.array, values: mx.array) -> int:
+        """Append [1, kv_heads, T, D] keys/values; returns the pre-write offset.
 
-        Without a window: all tokens [0, offset + T). With a window W: tokens
-        [max(0, offset - W + 1), offset + T), which ``make_mask`` describes.
+        Validates everything before changing anything; reserving pages is atomic.
         """
         if self.table.released:
             raise ReleasedError("cache used after its pages were released")
@@ -92,7 +91,20 @@ class PagedKVCache:
         rows, slots = table.write_index(start, count)
         self.pool.write(self.layer, rows, slots, keys[0], values[0])
         self.offset = start + count
-        self._last_start = 0 if self.window is None else max(0, start - self.window + 1)
+        self._last_start = self.visible_start(start)
+        return start
+
+    def visible_start(self, first_query: int) -> int:
+        """First key position a query at ``first_query`` can see (0 without a window)."""
+        return 0 if self.window is None else max(0, first_query - self.window + 1)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append [1, kv_heads, T, D] keys/values; return the keys/values attention needs.
+
+        Without a window: all tokens [0, offset + T). With a window W: tokens
+        [max(0, offset - W + 1), offset + T), which ``make_mask`` describes.
+        """
+        self.write(keys, values)
         return self._fetch(self._last_start, self.offset)
 
     def _fetch(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:

@@ -1,0 +1,165 @@
+"""``SharedKv``: fetched K/V that a donor layer hands to its sharers and the drafter.
+
+A tagged union of three immutable attrs classes, discriminated by ``kind``:
+
+    PlainKv  kind="plain"  full-precision keys/values [B, kv_heads, L, D], optionally with
+                           values in a rotated domain (``v_rotated``) and the function that
+                           un-rotates an attention output (``restore_values``)
+    QuantKv  kind="quant"  affine-quantised (packed, scales, biases) keys and values
+    ViewKv   kind="view"   a ``KvAttentionView`` over the page pool
+
+Every kind has ``offset`` (the cache position *before* this step's write: the RoPE
+start of this step's queries), an optional ``offset_arr`` (per-row int32 positions,
+an owned copy taken before the write, so a cache that later rebinds its own position
+array cannot change it under a sharer), ``attend(q, scale, mask)`` and ``release()``.
+
+Ownership: whoever creates a SharedKv releases it exactly once (normally the
+``ForwardPass`` that registered it; sharers never release). A view-backed SharedKv holds
+page references until then. ``attend`` after release and a second release raise
+``ReleasedError``. The objects are frozen; the release state lives in a private lease.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal, Optional, Union
+
+import attrs
+import mlx.core as mx
+
+from pagedkv.errors import KvShapeError, NotSupportedError, ReleasedError
+from pagedkv.view import KvAttentionView
+
+
+@attrs.define(slots=True)
+class _Lease:
+    """The one mutable part of a SharedKv: whether it was released, and by whom first."""
+
+    released: bool = False
+
+    def check(self) -> None:
+        if self.released:
+            raise ReleasedError("SharedKv used after release()")
+
+    def end(self) -> None:
+        self.check()
+        self.released = True
+
+
+def _owned_positions(value: Optional[mx.array]) -> Optional[mx.array]:
+    """An owned int32 copy of per-row positions (a new array object, evaluated now)."""
+    if value is None:
+        return None
+    if not isinstance(value, mx.array) or value.ndim != 1:
+        raise KvShapeError(f"offset_arr must be a 1-d mx.array of per-row positions, got {value!r}")
+    owned = mx.array(value, dtype=mx.int32)
+    mx.eval(owned)
+    return owned
+
+
+def _note_created(kv) -> None:
+    from pagedkv.forward_pass import ForwardPass  # late: forward_pass imports this module
+
+    active = ForwardPass.current()
+    if active is not None:
+        active.note_created(kv)
+
+
+def _check_offset(instance, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise KvShapeError(f"offset must be a non-negative int, got {value!r}")
+
+
+def _check_array(instance, attribute, value) -> None:
+    if not isinstance(value, mx.array) or value.ndim != 4:
+        raise KvShapeError(f"{attribute.name} must be a [B, kv_heads, L, D] mx.array")
+
+
+@attrs.frozen
+class PlainKv:
+    keys: mx.array = attrs.field(validator=_check_array)
+    values: mx.array = attrs.field(validator=_check_array)
+    offset: int = attrs.field(validator=_check_offset)
+    offset_arr: Optional[mx.array] = attrs.field(default=None, converter=_owned_positions)
+    restore_values: Optional[Callable[[mx.array], mx.array]] = None
+    v_rotated: bool = False
+    _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
+    kind: Literal["plain"] = attrs.field(default="plain", init=False)
+
+    def __attrs_post_init__(self) -> None:
+        if self.v_rotated and self.restore_values is None:
+            raise ValueError("v_rotated=True needs restore_values to un-rotate attention outputs")
+        _note_created(self)
+
+    def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
+        self._lease.check()
+        out = mx.fast.scaled_dot_product_attention(q, self.keys, self.values, scale=scale, mask=mask)
+        return self.restore_values(out) if self.v_rotated else out
+
+    def keys_values(self) -> tuple[mx.array, mx.array]:
+        self._lease.check()
+        return self.keys, self.values
+
+    @property
+    def released(self) -> bool:
+        return self._lease.released
+
+    def release(self) -> None:
+        self._lease.end()
+
+
+@attrs.frozen
+class QuantKv:
+    keys: tuple[mx.array, mx.array, mx.array]
+    values: tuple[mx.array, mx.array, mx.array]
+    bits: int
+    group_size: int
+    offset: int = attrs.field(validator=_check_offset)
+    offset_arr: Optional[mx.array] = attrs.field(default=None, converter=_owned_positions)
+    _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
+    kind: Literal["quant"] = attrs.field(default="quant", init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _note_created(self)
+
+    def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
+        self._lease.check()
+        raise NotSupportedError("quantised SharedKv attention arrives with quantised pages")
+
+    @property
+    def released(self) -> bool:
+        return self._lease.released
+
+    def release(self) -> None:
+        self._lease.end()
+
+
+@attrs.frozen
+class ViewKv:
+    attention: KvAttentionView = attrs.field(validator=attrs.validators.instance_of(KvAttentionView))
+    offset: int = attrs.field(validator=_check_offset)
+    offset_arr: Optional[mx.array] = attrs.field(default=None, converter=_owned_positions)
+    _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
+    kind: Literal["view"] = attrs.field(default="view", init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _note_created(self)
+
+    def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
+        self._lease.check()
+        return self.attention.attend(q, scale, mask)
+
+    def keys_values(self) -> tuple[mx.array, mx.array]:
+        self._lease.check()
+        return self.attention.keys_values()
+
+    @property
+    def released(self) -> bool:
+        return self._lease.released
+
+    def release(self) -> None:
+        self._lease.end()
+        self.attention.release()
+
+
+SharedKv = Union[PlainKv, QuantKv, ViewKv]
+"""Fetched KV handed from a donor layer to its sharers and the drafter (see module doc)."""

@@ -1,0 +1,198 @@
+"""``KvAttentionView``: a captured, reference-holding view of K/V pages for one layer.
+
+At creation a view snapshots the page tables of its rows into int32 gather indices,
+records each row's visible token range [start, length), and takes one allocator
+reference per page it covers. From then on nothing the owning caches do (append, trim,
+fork, release, or other sequences reusing freed capacity) changes what it returns:
+its pages cannot be freed, and a write into one of its pages by a table goes to a
+copy first (the table's copy-on-write). It reads the pool's *current* array when it
+attends, never a captured one, so holding a view never blocks in-place pool writes.
+
+Rows (B > 1) are padded with the null page to the longest row; padding and tokens
+outside [start, length) are masked out. Layout of the gathered keys::
+
+    row b: [ pages[b][0] | pages[b][1] | ... ]  -> [B, kv_heads, n_pages * page_size, D]
+           ^ start_b (first visible)    ^ length_b (exclusive)
+
+Ownership: the view owns its page references and its index snapshot; ``release()``
+gives the references back exactly once. ``attend``/``keys_values`` after release, or a
+second release, raise ``ReleasedError``. Costs: creation O(pages) (one batched
+incref); ``attend`` one gather of O(pages) + SDPA; ``release`` one batched decref.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from pagedkv.errors import KvShapeError, ReleasedError
+from pagedkv.mask import causal_mask
+from pagedkv.pool import PagePool
+
+if TYPE_CHECKING:
+    from pagedkv.cache import PagedKVCache
+    from pagedkv.table import PageTable
+
+
+class KvAttentionView:
+    def __init__(
+        self,
+        pool: PagePool,
+        layer: int,
+        tables: Sequence[PageTable],
+        lengths: Sequence[int] | None = None,
+        starts: Sequence[int] | None = None,
+    ) -> None:
+        if not tables:
+            raise ValueError("a view needs at least one page table")
+        if not (0 <= layer < pool.num_layers):
+            raise IndexError(f"layer {layer} out of range [0, {pool.num_layers})")
+        ps = pool.page_size
+        lengths = [t.num_tokens for t in tables] if lengths is None else list(lengths)
+        starts = [t.first_visible() for t in tables] if starts is None else list(starts)
+        if len(lengths) != len(tables) or len(starts) != len(tables):
+            raise ValueError("one length and one start per table")
+        rows = []
+        for t, lo, hi in zip(tables, starts, lengths):
+            if t.released:
+                raise ReleasedError("cannot view a released page table")
+            if not (t.first_visible() <= lo <= hi <= t.num_tokens) or hi < 1:
+                raise ValueError(f"rows must view a non-empty range inside the table, got [{lo}, {hi})")
+            rows.append(t.pages[lo // ps : -(-hi // ps)])
+        width = max(r.size for r in rows)
+        snapshot = np.full((len(rows), width), pool.null_page, dtype=np.int64)
+        for b, r in enumerate(rows):
+            snapshot[b, : r.size] = r
+        held = np.concatenate(rows)
+        pool.allocator.incref(held)  # the last step that can fail: nothing to undo
+        self._held = held
+        self.pool = pool
+        self.layer = layer
+        self.batch = len(rows)
+        self.first_page_token = [(lo // ps) * ps for lo in starts]
+        self.starts = starts
+        self.lengths = lengths
+        self._width_tokens = width * ps
+        # [B * kv_heads * width] take-indices, head-major per row.
+        self._index = mx.array(
+            (pool._head_base[None] + snapshot[:, None, :]).reshape(-1).astype(np.int32)
+        )
+        self._released = False
+
+    @classmethod
+    def of_cache(cls, cache: PagedKVCache, start: int | None = None) -> KvAttentionView:
+        """A view of what ``cache`` holds now: tokens [start, offset) of its layer.
+
+        ``start`` defaults to the first key the cache's own window still shows.
+        """
+        if start is None:
+            start = 0 if cache.window is None else max(0, cache.offset - cache.window)
+            start = max(start, cache.table.first_visible())
+        return cls(cache.pool, cache.layer, [cache.table], [cache.offset], [start])
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def _check(self) -> None:
+        if self._released:
+            raise ReleasedError("KvAttentionView used after release()")
+
+    def keys_values(self) -> tuple[mx.array, mx.array]:
+        """Contiguous K/V. One row: [1, kv_heads, length - start, D] exactly; several rows:
+        [B, kv_heads, longest, D] with each row's tokens from its first page (see
+        ``valid_mask``)."""
+        self._check()
+        pool = self.pool
+        if self.batch == 1:
+            off = self.first_page_token[0]
+            return pool.gather(self.layer, self._index, self.starts[0] - off, self.lengths[0] - off)
+        k, v = pool.gather(self.layer, self._index, 0, self.batch * self._width_tokens)
+        h = pool.num_kv_heads
+        k = k.reshape(self.batch, h, self._width_tokens, pool.head_dim)
+        v = v.reshape(self.batch, h, self._width_tokens, pool.v_head_dim)
+        return k, v
+
+    def valid_mask(self, n_queries: int, causal: bool) -> mx.array:
+        """Bool [B, 1, n_queries, width]: which gathered keys each row's queries may see.
+
+        Queries are the row's last ``n_queries`` positions (ending at its length).
+        """
+        cols = mx.arange(self._width_tokens)[None, :]
+        out = []
+        for b in range(self.batch):
+            off = self.first_page_token[b]
+            lo, hi = self.starts[b] - off, self.lengths[b] - off
+            m = (cols >= lo) & (cols < hi)
+            m = mx.broadcast_to(m, (n_queries, self._width_tokens))
+            if causal:
+                qpos = mx.arange(hi - n_queries, hi)[:, None]
+                m = m & (cols <= qpos)
+            out.append(m)
+        return mx.stack(out)[:, None]
+
+    def attend(self, q: mx.array, scale: float, mask=None, window: int | None = None) -> mx.array:
+        """Attention of ``q`` [B, n_heads, L, D] over the view (GQA: n_heads % kv_heads == 0).
+
+        ``mask``: None, "causal" (queries are the last L positions) or an array
+        broadcastable to [B, n_heads, L, keys]; ``window`` additionally limits each query
+        to the last ``window`` keys up to its position (a drafter's sliding window).
+        Gathers the pages and calls ``mx.fast.scaled_dot_product_attention`` (exact).
+        """
+        self._check()
+        if not isinstance(q, mx.array) or q.ndim != 4:
+            raise KvShapeError(f"queries must be [B, n_heads, L, D], got {getattr(q, 'shape', q)}")
+        b, n_heads, n_q, d = q.shape
+        if b != self.batch or n_heads % self.pool.num_kv_heads or d != self.pool.head_dim:
+            raise KvShapeError(
+                f"queries {tuple(q.shape)} do not fit a view of {self.batch} rows, "
+                f"{self.pool.num_kv_heads} kv heads, head_dim {self.pool.head_dim}"
+            )
+        k, v = self.keys_values()
+        if self.batch > 1:
+            row = self.valid_mask(n_q, causal=(mask == "causal"))
+            if window is not None:
+                row = row & self._window_mask(n_q, window, k.shape[2])
+            if isinstance(mask, mx.array):
+                row = row & mask if mask.dtype == mx.bool_ else mx.where(row, mask, -mx.inf)
+            mask = row
+        elif window is not None:
+            wm = causal_mask(n_q, k.shape[2] - n_q, window)  # a window implies causality
+            if mask is None or isinstance(mask, str):
+                mask = wm
+            elif mask.dtype == mx.bool_:
+                mask = mask & wm
+            else:
+                mask = mx.where(wm, mask, -mx.inf)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    def _window_mask(self, n_q: int, window: int, width: int) -> mx.array:
+        cols = mx.arange(width)[None, :]
+        out = []
+        for b in range(self.batch):
+            hi = self.lengths[b] - self.first_page_token[b]
+            qpos = mx.arange(hi - n_q, hi)[:, None]
+            out.append(cols > qpos - window)
+        return mx.stack(out)[:, None]
+
+    # ------------------------------------------------------------------ lifetime
+    def release(self) -> None:
+        """Give back the page references (exactly once)."""
+        self._check()
+        self._released = True
+        self.pool.allocator.decref(self._held)
+        self._held = None
+
+    def __enter__(self) -> KvAttentionView:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._released:
+            self.release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"rows={list(zip(self.starts, self.lengths))}"
+        return f"KvAttentionView(layer={self.layer}, {state})"
