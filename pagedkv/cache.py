@@ -172,13 +172,25 @@ class PagedKVCache:
 
     @state.setter
     def state(self, kv: tuple[mx.array, mx.array]) -> None:
-        """Replace this layer's contents with ``(keys, values)`` [1, kv_heads, L, D]."""
+        """Replace this layer's contents with ``(keys, values)`` [1, kv_heads, L, D].
+
+        The other layers of the sequence must be empty or hold exactly L tokens, and the
+        sequence's pages must not be shared (a fork or a view would see the overwrite).
+        """
         keys, values = kv[0], kv[1]
         self._validate(keys, values)
-        if any(c.offset for c in self.table.members if c is not self):
-            raise NotSupportedError("set state on a fresh sequence (its other layers hold tokens)")
+        length = keys.shape[2]
+        table = self.table
+        others = max((c.offset for c in table.members if c is not self), default=0)
+        if others and others != length:
+            raise NotSupportedError(
+                f"the sequence's other layers hold {others} tokens; a state of {length} does not fit"
+            )
+        held = table.pages[table.first_visible() // self.pool.page_size :]
+        if any(self.pool.allocator.refcount(int(p)) > 1 for p in held):
+            raise NotSupportedError("cannot overwrite pages shared with a fork or a view")
         self.trim(self.offset)
-        self.update_and_fetch(keys, values)
+        self.write(keys, values)
 
     @classmethod
     def from_state(cls, state: tuple[mx.array, mx.array], pool: PagePool | None = None) -> PagedKVCache:

@@ -1,0 +1,80 @@
+"""A plain token-by-token generation loop over any mlx-lm-protocol cache.
+
+The demo, the examples and the benchmarks use this one loop for both pagedkv's caches
+and mlx-lm's, so comparisons differ only in the cache.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Iterable, Iterator
+
+import attrs
+import mlx.core as mx
+
+
+@attrs.define
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        # the first token comes out of the prefill
+        return max(0, self.generated - 1) / self.decode_s if self.decode_s else 0.0
+
+
+def sample(logits: mx.array, temperature: float) -> mx.array:
+    """Greedy for temperature 0, else a draw from softmax(logits / temperature)."""
+    if temperature <= 0:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(logits * (1.0 / temperature))
+
+
+def generate(
+    model,
+    cache,
+    prompt: list[int],
+    *,
+    max_tokens: int,
+    temperature: float = 0.0,
+    eos_ids: Iterable[int] = (),
+    stats: GenerationStats | None = None,
+    prefill_chunk: int = 512,
+) -> Iterator[int]:
+    """Yield up to ``max_tokens`` new token ids (stopping after an EOS id).
+
+    The prompt is prefilled in chunks of ``prefill_chunk`` tokens. ``stats`` (optional)
+    is filled in as the loop runs.
+    """
+    if not prompt:
+        raise ValueError("prompt must hold at least one token")
+    eos = set(eos_ids)
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt)
+    t = time.perf_counter()
+    for i in range(0, len(prompt) - 1, prefill_chunk):
+        chunk = prompt[i : min(i + prefill_chunk, len(prompt) - 1)]
+        mx.eval(model(mx.array(chunk)[None], cache=cache))
+    logits = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
+    token = sample(logits, temperature)
+    mx.eval(token)
+    stats.prefill_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for n in range(max_tokens):
+        tok = int(token.item())
+        stats.generated = n + 1
+        stats.decode_s = time.perf_counter() - t
+        yield tok
+        if tok in eos or n + 1 == max_tokens:
+            break
+        logits = model(mx.array([[tok]]), cache=cache)[0, -1]
+        token = sample(logits, temperature)
+        mx.eval(token)
+    stats.decode_s = time.perf_counter() - t
