@@ -10,7 +10,9 @@
 """
 
 from allocators import PoolExhausted
-from pagedkv.cache import PagedKVCache, PagedPromptCache, make_paged_cache
+from pagedkv.batch import PagedBatch, PagedBatchKVCache
+from pagedkv.cache import PagedKVCache, PagedPromptCache, PagedQuantizedKVCache, make_paged_cache
+from pagedkv.codec import AffineQuant, FullPrecision, RotatedAffineQuant, rotated
 from pagedkv.donor_cache import DonorCache, donor_caches
 from pagedkv.drafter import DrafterKv
 from pagedkv.errors import (
@@ -22,12 +24,26 @@ from pagedkv.errors import (
 )
 from pagedkv.forward_pass import ForwardPass, KvLeakError
 from pagedkv.pool import PagePool, raise_cache_limit
+from pagedkv.prefix import PrefixCache, PrefixStats
+from pagedkv.scheduling import can_admit, pages_for, preempt
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.sharing_plan import KvSharingPlan
 from pagedkv.table import PageTable
 from pagedkv.view import KvAttentionView
 
 __all__ = [
+    "PrefixCache",
+    "PrefixStats",
+    "can_admit",
+    "pages_for",
+    "preempt",
+    "PagedBatch",
+    "PagedBatchKVCache",
+    "AffineQuant",
+    "FullPrecision",
+    "PagedQuantizedKVCache",
+    "RotatedAffineQuant",
+    "rotated",
     "DonorCache",
     "DrafterKv",
     "ForwardPass",

@@ -26,10 +26,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from pagedkv.attention import decode_kv, is_plain
+from pagedkv.codec import AffineQuant
 from pagedkv.errors import KvDTypeError, KvShapeError, NotSupportedError, ReleasedError
 from pagedkv.mask import attention_mask
 from pagedkv.pool import PagePool
+from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.table import PageTable
+from pagedkv.view import KvAttentionView
 
 
 class PagedKVCache:
@@ -43,6 +47,7 @@ class PagedKVCache:
         self.layer = layer
         self.offset = 0
         self._last_start = 0  # first key position returned by the last fetch
+        self._step_start = 0  # offset before the last write (the step's RoPE start)
         table.members.append(self)
 
     @property
@@ -92,6 +97,7 @@ class PagedKVCache:
         self.pool.write(self.layer, rows, slots, keys[0], values[0])
         self.offset = start + count
         self._last_start = self.visible_start(start)
+        self._step_start = start
         return start
 
     def visible_start(self, first_query: int) -> int:
@@ -107,11 +113,48 @@ class PagedKVCache:
         self.write(keys, values)
         return self._fetch(self._last_start, self.offset)
 
-    def _fetch(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+    def _gather(self, lo: int, hi: int):
         ps = self.pool.page_size
         first = lo // ps
         index = self.table.read_index(first, -(-hi // ps))
         return self.pool.gather(self.layer, index, lo - first * ps, hi - first * ps)
+
+    def _fetch(self, lo: int, hi: int):
+        """Tokens [lo, hi) as attention inputs: float K/V (decoded, un-rotated)."""
+        k_parts, v_parts = self._gather(lo, hi)
+        pool = self.pool
+        if is_plain(pool.k_codec, pool.v_codec, pool.dtype):
+            return k_parts[0], v_parts[0]
+        return decode_kv(k_parts, v_parts, pool.k_codec, pool.v_codec, pool.dtype)
+
+    def fetch_shared(self, kind: str = "view") -> SharedKv:
+        """This step's K/V as a SharedKv (call after the step's write; caller releases it).
+
+        ``view``: a KvAttentionView (any page kind; quantised pages stay packed).
+        ``plain``: float keys and values; on rotated (TurboQuant) pages the values stay
+        rotated, with ``v_rotated=True`` and ``restore_values`` captured now.
+        ``quant``: the packed (packed, scales, biases) triples; affine pages only.
+        """
+        lo, hi = self._last_start, self.offset
+        if hi == 0:
+            raise KvShapeError("cache is empty")
+        pool = self.pool
+        if kind == "view":
+            return ViewKv(KvAttentionView.of_cache(self, start=lo), offset=self._step_start)
+        k_parts, v_parts = self._gather(lo, hi)
+        if kind == "plain":
+            k, v = decode_kv(k_parts, v_parts, pool.k_codec, pool.v_codec, pool.dtype, unrotate_values=False)
+            if pool.v_codec.rotated:
+                return PlainKv(k, v, offset=self._step_start, restore_values=pool.v_codec.unrotate,
+                               v_rotated=True)
+            return PlainKv(k, v, offset=self._step_start)
+        if kind == "quant":
+            kc, vc = pool.k_codec, pool.v_codec
+            if not (isinstance(kc, AffineQuant) and isinstance(vc, AffineQuant)) or kc.rotated or vc.rotated:
+                raise NotSupportedError("quant SharedKv needs affine-quantised, unrotated K and V pages")
+            return QuantKv(k_parts, v_parts, bits=kc.bits, group_size=kc.group_size, offset=self._step_start,
+                           v_bits=vc.bits, v_group_size=vc.group_size)
+        raise ValueError(f"kind must be 'view', 'plain' or 'quant', got {kind!r}")
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """What the last ``update_and_fetch`` returned (KV-sharing layers read this)."""
@@ -165,8 +208,9 @@ class PagedKVCache:
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
-        """Owned contiguous copies of this layer's K/V, [1, kv_heads, offset, D]."""
-        k, v = self._fetch(self.table.first_visible(), self.offset)
+        """Owned contiguous float copies of this layer's K/V, [1, kv_heads, offset, D]
+        (decoded from quantised pages; setting them re-encodes)."""
+        k, v = PagedKVCache._fetch(self, self.table.first_visible(), self.offset)
         mx.eval(k, v)
         return k, v
 
@@ -211,6 +255,35 @@ class PagedKVCache:
         return f"PagedKVCache(layer={self.layer}, offset={self.offset}, window={self.window})"
 
 
+class PagedQuantizedKVCache(PagedKVCache):
+    """mlx-lm's ``QuantizedKVCache`` protocol on affine-quantised pages.
+
+    ``update_and_fetch`` returns the packed (packed, scales, biases) triples of keys and
+    values, and ``bits``/``group_size`` are set, so mlx-lm's attention takes its quantised
+    path (it dispatches on ``hasattr(cache, "bits")``). Needs the same bits and group size
+    for K and V (mlx-lm's quantised attention takes one of each).
+    """
+
+    def __init__(self, table: PageTable, layer: int) -> None:
+        kc, vc = table.pool.k_codec, table.pool.v_codec
+        if not (isinstance(kc, AffineQuant) and kc == vc) or kc.rotated:
+            raise NotSupportedError("PagedQuantizedKVCache needs one affine codec for K and V")
+        super().__init__(table, layer)
+        self.bits = kc.bits
+        self.group_size = kc.group_size
+
+    def _fetch(self, lo: int, hi: int):
+        return self._gather(lo, hi)
+
+
+def cache_class_for(pool: PagePool) -> type[PagedKVCache]:
+    """The cache class mlx-lm models should see for ``pool``'s page kind."""
+    kc, vc = pool.k_codec, pool.v_codec
+    if isinstance(kc, AffineQuant) and kc == vc and not kc.rotated:
+        return PagedQuantizedKVCache
+    return PagedKVCache
+
+
 class PagedPromptCache(list):
     """The per-layer caches of one sequence (a list, as mlx-lm expects) plus their tables.
 
@@ -226,8 +299,8 @@ class PagedPromptCache(list):
         new_tables = {id(t): t.fork() for t in self.tables}
         out = []
         for c in self:
-            nc = PagedKVCache(new_tables[id(c.table)], c.layer)
-            nc.offset, nc._last_start = c.offset, c._last_start
+            nc = type(c)(new_tables[id(c.table)], c.layer)
+            nc.offset, nc._last_start, nc._step_start = c.offset, c._last_start, c._step_start
             out.append(nc)
         return PagedPromptCache(out)
 
@@ -285,7 +358,9 @@ def make_paged_cache(
     second table. With ``sliding_pool`` the sliding layers live there (its layers
     numbered in order of the sliding layers; the full layers take ``pool``'s layers in
     order), so window-bounded pages do not reserve slots in full-attention layers.
-    Without it, cache slot i uses layer i of ``pool``.
+    Without it, cache slot i uses layer i of ``pool``. Pools of affine-quantised pages
+    (same bits for K and V) give ``PagedQuantizedKVCache``s; other page kinds hand the
+    model decoded K/V.
     """
     windows = _layer_windows(model, max_kv_size)
     full_table: PageTable | None = None
@@ -309,5 +384,5 @@ def make_paged_cache(
             table = sliding_tables[key]
         if layer >= target.num_layers:
             raise ValueError(f"pool has {target.num_layers} layers; the model needs more")
-        caches.append(PagedKVCache(table, layer))
+        caches.append(cache_class_for(target)(table, layer))
     return PagedPromptCache(caches)

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefill: {stats.prompt_tokens} tokens at {stats.prefill_tps:.1f} tokens/s")
         print(f"decode:  {stats.generated} tokens at {stats.decode_tps:.1f} tokens/s")
         print(f"KV pages in use: {alloc.in_use} of {pool.num_pages} ({pool.page_size} tokens each, "
-              f"{'%d-bit' % args.kv_bits if args.kv_bits else str(pool.dtype).split('.')[-1]})")
+              f"K {pool.k_codec.label()}, V {pool.v_codec.label()})")
         print(f"bytes per token (all {pool.num_layers} layers, K+V): {pool.bytes_per_token:,}")
         print(f"pool utilisation: {alloc.in_use / (pool.num_pages - 1):.1%} of {pool.nbytes / 2**20:.1f} MiB")
         print(f"reserved KV bytes holding tokens: {live / reserved:.1%} "

@@ -35,7 +35,10 @@ import mlx.core as mx
 import numpy as np
 
 from allocators import FreeListAllocator, RefCountingAllocator
+from pagedkv.codec import FullPrecision, PageCodec
 from pagedkv.errors import KvDTypeError, KvShapeError
+
+Parts = tuple  # the gathered components of K or V: (values,) or (packed, scales, biases)
 
 DEFAULT_CACHE_LIMIT = 1 << 30
 """Bytes of freed buffers MLX may keep for reuse, set when a pool is created (see
@@ -53,6 +56,9 @@ class PagePool:
     """Fixed-size K/V pages for ``num_layers`` layers, one page-id space, one allocator.
 
     Give ``num_pages`` directly or a byte budget ``max_bytes`` (K + V of all layers).
+    ``dtype`` is the dtype of the K/V written in; ``k_codec``/``v_codec`` say how pages
+    store them (default: full precision ``dtype``; see :mod:`pagedkv.codec`). A codec's
+    components each get their own page-indexed array with the same row layout.
     Page 0 is the allocator's reserved null page: never handed out, it stands in for
     pages that left a sliding window. ``cache_limit`` raises MLX's buffer-cache limit to
     at least this many bytes (``None`` leaves it alone).
@@ -71,6 +77,8 @@ class PagePool:
         dtype: mx.Dtype = mx.float16,
         allocator: RefCountingAllocator | None = None,
         cache_limit: int | None = DEFAULT_CACHE_LIMIT,
+        k_codec: PageCodec | None = None,
+        v_codec: PageCodec | None = None,
     ) -> None:
         self.num_layers = _check_positive("num_layers", num_layers)
         self.num_kv_heads = _check_positive("num_kv_heads", num_kv_heads)
@@ -80,6 +88,10 @@ class PagePool:
         if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
             raise KvDTypeError(f"dtype must be an MLX floating dtype, got {dtype!r}")
         self.dtype = dtype
+        self.k_codec = k_codec if k_codec is not None else FullPrecision(dtype)
+        self.v_codec = v_codec if v_codec is not None else FullPrecision(dtype)
+        self.k_codec.check_dim(self.head_dim)
+        self.v_codec.check_dim(self.v_head_dim)
         per_page = self.bytes_per_page
         if (num_pages is None) == (max_bytes is None):
             raise ValueError("give exactly one of num_pages and max_bytes")
@@ -95,8 +107,12 @@ class PagePool:
         self.allocator = allocator
         self.null_page = allocator.null_page
         rows = self.num_kv_heads * self.num_pages
-        self._k = [mx.zeros((rows, self.page_size, self.head_dim), dtype) for _ in range(self.num_layers)]
-        self._v = [mx.zeros((rows, self.page_size, self.v_head_dim), dtype) for _ in range(self.num_layers)]
+
+        def arrays(codec: PageCodec, dim: int) -> list[mx.array]:
+            return [mx.zeros((rows, self.page_size, d), dt) for d, dt in codec.component_dims(dim)]
+
+        self._k = [arrays(self.k_codec, self.head_dim) for _ in range(self.num_layers)]
+        self._v = [arrays(self.v_codec, self.v_head_dim) for _ in range(self.num_layers)]
         mx.eval(self._k, self._v)
         self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.num_pages
         self._reads: list[list[weakref.ref]] = [[] for _ in range(self.num_layers)]
@@ -105,9 +121,15 @@ class PagePool:
 
     # ------------------------------------------------------------------ sizes
     @property
+    def quantized(self) -> bool:
+        return self.k_codec.quantized or self.v_codec.quantized
+
+    @property
     def bytes_per_page(self) -> int:
         """Bytes of one page id across all layers, K and V."""
-        per_token = self.num_kv_heads * (self.head_dim + self.v_head_dim) * self.dtype.size
+        per_token = self.num_kv_heads * (
+            self.k_codec.bytes_per_value_row(self.head_dim) + self.v_codec.bytes_per_value_row(self.v_head_dim)
+        )
         return per_token * self.page_size * self.num_layers
 
     @property
@@ -166,29 +188,38 @@ class PagePool:
         keeps a pending read of this layer, which is evaluated first.
         """
         self._validate(layer, keys, values)
+        k_parts = self.k_codec.encode(keys)  # quantised pages: a token is encoded when written
+        v_parts = self.v_codec.encode(values)
         self._settle_reads(layer)
-        self._k[layer][rows, slots] = keys
-        self._v[layer][rows, slots] = values
+        for arr, part in zip(self._k[layer], k_parts):
+            arr[rows, slots] = part
+        for arr, part in zip(self._v[layer], v_parts):
+            arr[rows, slots] = part
 
-    def gather(self, layer: int, index: mx.array, start: int, stop: int) -> tuple[mx.array, mx.array]:
+    def gather(self, layer: int, index: mx.array, start: int, stop: int) -> tuple[Parts, Parts]:
         """Read tokens [start, stop) of the pages named by ``index`` (see ``gather_index``).
 
-        ``start`` counts from the first listed page. Returns new lazy arrays
-        [1, kv_heads, stop - start, D]; the pool keeps a weak reference to them so a later
-        write of this layer can settle them first (module doc).
+        ``start`` counts from the first listed page. Returns the K and V components as
+        new lazy arrays [rows, kv_heads, stop - start, c] (rows = len(index) / kv_heads /
+        pages per row; 1 for one sequence). The pool keeps weak references to them so a
+        later write of this layer can settle them first (module doc).
         """
         n = index.shape[0] // self.num_kv_heads
-        k = mx.take(self._k[layer], index, axis=0).reshape(1, self.num_kv_heads, n * self.page_size, self.head_dim)
-        v = mx.take(self._v[layer], index, axis=0).reshape(1, self.num_kv_heads, n * self.page_size, self.v_head_dim)
-        if start or stop != n * self.page_size:
-            k = k[:, :, start:stop]
-            v = v[:, :, start:stop]
         reads = self._reads[layer]
         if len(reads) > 64:
             reads[:] = [r for r in reads if r() is not None]
-        reads.append(weakref.ref(k))
-        reads.append(weakref.ref(v))
-        return k, v
+
+        def read(arrays: list[mx.array]) -> Parts:
+            out = []
+            for arr in arrays:
+                x = mx.take(arr, index, axis=0).reshape(1, self.num_kv_heads, n * self.page_size, arr.shape[-1])
+                if start or stop != n * self.page_size:
+                    x = x[:, :, start:stop]
+                reads.append(weakref.ref(x))
+                out.append(x)
+            return tuple(out)
+
+        return read(self._k[layer]), read(self._v[layer])
 
     def _settle_reads(self, layer: int) -> None:
         reads = self._reads[layer]
@@ -206,22 +237,24 @@ class PagePool:
         d = mx.array(self.rows(dst).reshape(-1).astype(np.int32))
         for layer in range(self.num_layers):
             self._settle_reads(layer)
-            kb = mx.take(self._k[layer], s, axis=0)
-            vb = mx.take(self._v[layer], s, axis=0)
-            mx.eval(kb, vb)  # detach the reads from the layer arrays so the writes donate
-            self._k[layer][d] = kb
-            self._v[layer][d] = vb
+            arrays = self._k[layer] + self._v[layer]
+            blocks = [mx.take(a, s, axis=0) for a in arrays]
+            mx.eval(blocks)  # detach the reads from the layer arrays so the writes donate
+            for a, blk in zip(arrays, blocks):
+                a[d] = blk
         mx.eval(self._k, self._v)
 
     def each_layer_array(self, fn: Callable[[mx.array, mx.array], None]) -> None:
-        """Call ``fn(K, V)`` per layer (for tests and tools; do not keep the arrays)."""
-        for k, v in zip(self._k, self._v):
-            fn(k, v)
+        """Call ``fn(K, V)`` per layer and component (for tests and tools; do not keep them)."""
+        for ks, vs in zip(self._k, self._v):
+            for k, v in zip(ks, vs):
+                fn(k, v)
 
     def __repr__(self) -> str:
         return (
             f"PagePool(layers={self.num_layers}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"page_size={self.page_size}, pages={self.num_pages}, dtype={self.dtype}, "
+            f"k={self.k_codec.label()}, v={self.v_codec.label()}, "
             f"{self.nbytes / 2**20:.1f} MiB)"
         )
 

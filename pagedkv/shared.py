@@ -26,7 +26,8 @@ from typing import Callable, Literal, Optional, Union
 import attrs
 import mlx.core as mx
 
-from pagedkv.errors import KvShapeError, NotSupportedError, ReleasedError
+from pagedkv.attention import quantized_attention
+from pagedkv.errors import KvShapeError, ReleasedError
 from pagedkv.view import KvAttentionView
 
 
@@ -115,6 +116,8 @@ class QuantKv:
     group_size: int
     offset: int = attrs.field(validator=_check_offset)
     offset_arr: Optional[mx.array] = attrs.field(default=None, converter=_owned_positions)
+    v_bits: Optional[int] = None  # values' bits when they differ from the keys' (k8v4)
+    v_group_size: Optional[int] = None
     _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
     kind: Literal["quant"] = attrs.field(default="quant", init=False)
 
@@ -122,8 +125,13 @@ class QuantKv:
         _note_created(self)
 
     def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
+        """Quantised attention on the packed K/V; ``q`` itself is never modified."""
         self._lease.check()
-        raise NotSupportedError("quantised SharedKv attention arrives with quantised pages")
+        out = quantized_attention(
+            q, self.keys, self.values, scale, mask, k_bits=self.bits, k_group=self.group_size,
+            v_bits=self.v_bits or self.bits, v_group=self.v_group_size or self.group_size,
+        )
+        return out.astype(q.dtype)
 
     @property
     def released(self) -> bool:

@@ -64,6 +64,26 @@ class PageTable:
             raise ReleasedError("page table used after release()")
 
     # ------------------------------------------------------------------ mutations
+    def _plan(self, count: int) -> tuple[int, bool]:
+        """(new pages, copy-on-write?) for appending ``count`` tokens.
+
+        The partial last page is copied first when anyone else references it (a fork, a
+        view) or when it is registered in a prefix cache (its content must never change).
+        """
+        ps = self.pool.page_size
+        start = self.num_tokens
+        need = -(-(start + count) // ps) - self._n
+        if start % ps == 0:
+            return need, False
+        last = int(self._pages[self._n - 1])
+        alloc = self.pool.allocator
+        return need, alloc.refcount(last) > 1 or alloc.is_cacheable(last)
+
+    def pages_needed(self, count: int) -> int:
+        """Pages ``reserve(count)`` would allocate, copy-on-write included."""
+        need, cow = self._plan(count)
+        return need + int(cow)
+
     def reserve(self, count: int) -> int:
         """Make room for ``count`` more tokens; returns the first new position.
 
@@ -73,11 +93,9 @@ class PageTable:
         self._check_alive()
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"count must be a positive int, got {count!r}")
-        ps = self.pool.page_size
         start = self.num_tokens
-        need = -(-(start + count) // ps) - self._n
+        need, cow = self._plan(count)
         alloc = self.pool.allocator
-        cow = start % ps != 0 and alloc.refcount(int(self._pages[self._n - 1])) > 1
         new = alloc.allocate(need + int(cow))  # atomic: raises before anything changes
         if cow:
             last = self._pages[self._n - 1 : self._n].copy()

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import mlx.core as mx
 import numpy as np
 
+from pagedkv.attention import attend_parts, decode_kv
 from pagedkv.errors import KvShapeError, ReleasedError
 from pagedkv.mask import causal_mask
 from pagedkv.pool import PagePool
@@ -101,20 +102,30 @@ class KvAttentionView:
         if self._released:
             raise ReleasedError("KvAttentionView used after release()")
 
-    def keys_values(self) -> tuple[mx.array, mx.array]:
-        """Contiguous K/V. One row: [1, kv_heads, length - start, D] exactly; several rows:
-        [B, kv_heads, longest, D] with each row's tokens from its first page (see
-        ``valid_mask``)."""
+    def parts(self):
+        """The gathered page components of K and V (packed pages stay packed).
+
+        One row: tokens [start, length) exactly; several rows: [B, kv_heads, width, c]
+        with each row's tokens from its first page (see ``valid_mask``).
+        """
         self._check()
         pool = self.pool
         if self.batch == 1:
             off = self.first_page_token[0]
             return pool.gather(self.layer, self._index, self.starts[0] - off, self.lengths[0] - off)
-        k, v = pool.gather(self.layer, self._index, 0, self.batch * self._width_tokens)
-        h = pool.num_kv_heads
-        k = k.reshape(self.batch, h, self._width_tokens, pool.head_dim)
-        v = v.reshape(self.batch, h, self._width_tokens, pool.v_head_dim)
-        return k, v
+        k_parts, v_parts = pool.gather(self.layer, self._index, 0, self.batch * self._width_tokens)
+
+        def rows(parts):
+            return tuple(x.reshape(self.batch, pool.num_kv_heads, self._width_tokens, x.shape[-1]) for x in parts)
+
+        return rows(k_parts), rows(v_parts)
+
+    def keys_values(self) -> tuple[mx.array, mx.array]:
+        """Contiguous float K/V (decoded and un-rotated for quantised pages); layout as
+        ``parts``."""
+        k_parts, v_parts = self.parts()
+        pool = self.pool
+        return decode_kv(k_parts, v_parts, pool.k_codec, pool.v_codec, pool.dtype)
 
     def valid_mask(self, n_queries: int, causal: bool) -> mx.array:
         """Bool [B, 1, n_queries, width]: which gathered keys each row's queries may see.
@@ -140,7 +151,8 @@ class KvAttentionView:
         ``mask``: None, "causal" (queries are the last L positions) or an array
         broadcastable to [B, n_heads, L, keys]; ``window`` additionally limits each query
         to the last ``window`` keys up to its position (a drafter's sliding window).
-        Gathers the pages and calls ``mx.fast.scaled_dot_product_attention`` (exact).
+        Gathers the pages; full-precision pages go to ``mx.fast.scaled_dot_product_attention``
+        (exact), quantised ones to quantised matmuls (:mod:`pagedkv.attention`).
         """
         self._check()
         if not isinstance(q, mx.array) or q.ndim != 4:
@@ -151,23 +163,24 @@ class KvAttentionView:
                 f"queries {tuple(q.shape)} do not fit a view of {self.batch} rows, "
                 f"{self.pool.num_kv_heads} kv heads, head_dim {self.pool.head_dim}"
             )
-        k, v = self.keys_values()
+        k_parts, v_parts = self.parts()
+        n_keys = k_parts[0].shape[2]
         if self.batch > 1:
             row = self.valid_mask(n_q, causal=(mask == "causal"))
             if window is not None:
-                row = row & self._window_mask(n_q, window, k.shape[2])
+                row = row & self._window_mask(n_q, window, n_keys)
             if isinstance(mask, mx.array):
                 row = row & mask if mask.dtype == mx.bool_ else mx.where(row, mask, -mx.inf)
             mask = row
         elif window is not None:
-            wm = causal_mask(n_q, k.shape[2] - n_q, window)  # a window implies causality
+            wm = causal_mask(n_q, n_keys - n_q, window)  # a window implies causality
             if mask is None or isinstance(mask, str):
                 mask = wm
             elif mask.dtype == mx.bool_:
                 mask = mask & wm
             else:
                 mask = mx.where(wm, mask, -mx.inf)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return attend_parts(q, k_parts, v_parts, scale, mask, self.pool.k_codec, self.pool.v_codec)
 
     def _window_mask(self, n_q: int, window: int, width: int) -> mx.array:
         cols = mx.arange(width)[None, :]

@@ -10,17 +10,28 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from allocators import PageState
-from pagedkv import KvAttentionView, PagedKVCache, PagePool, PageTable, PoolExhausted
+from pagedkv import (
+    AffineQuant,
+    KvAttentionView,
+    PagedKVCache,
+    PagePool,
+    PageTable,
+    PoolExhausted,
+    rotated,
+)
 
-H, QH, D, PS = 1, 2, 8, 3
+H, QH, D, PS = 1, 2, 32, 3
 SCALE = D ** -0.5
 
 
 class ViewLifetimes(RuleBasedStateMachine):
+    codecs = (None, None)
+
     def __init__(self):
         super().__init__()
         self.pool = PagePool(num_layers=1, num_kv_heads=H, head_dim=D, page_size=PS, num_pages=24,
-                             dtype=mx.float32, cache_limit=None)
+                             dtype=mx.float32, cache_limit=None, k_codec=self.codecs[0],
+                             v_codec=self.codecs[1])
         self.caches: list[PagedKVCache] = []
         self.views: list[tuple[KvAttentionView, mx.array, mx.array]] = []
         self.counter = 0
@@ -104,5 +115,11 @@ class ViewLifetimes(RuleBasedStateMachine):
         assert self.pool.allocator.num_in_use() == 0
 
 
+class QuantizedViewLifetimes(ViewLifetimes):
+    codecs = (AffineQuant(4, 32), rotated(3, D, group_size=32))
+
+
 TestViewLifetimes = ViewLifetimes.TestCase
 TestViewLifetimes.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestQuantizedViewLifetimes = QuantizedViewLifetimes.TestCase
+TestQuantizedViewLifetimes.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -6,31 +6,44 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import greedy, make_model, make_pool, prompt_of
 
 from pagedkv import (
+    AffineQuant,
     DrafterKv,
     ForwardPass,
     KvAttentionView,
     KvLeakError,
     KvSharingPlan,
-    NotSupportedError,
     PagedKVCache,
     PagePool,
     PageTable,
     PlainKv,
-    QuantKv,
     ReleasedError,
     ViewKv,
     donor_caches,
     make_paged_cache,
+    rotated,
 )
 from pagedkv.mask import causal_mask
 
-H, QH, D = 2, 4, 16
+H, QH, D = 2, 4, 32
 SCALE = D ** -0.5
 
+# Lifetime rules must hold for every page kind; only the codec differs.
+PAGE_KINDS = {
+    "fp32": (None, None),
+    "affine4": (AffineQuant(4, 32, mx.float32), AffineQuant(4, 32, mx.float32)),
+    "turbo_k8v3": (AffineQuant(8, 32), rotated(3, D, group_size=32)),
+}
 
-def pool_of(num_pages=64, page_size=4):
+
+@pytest.fixture(params=list(PAGE_KINDS), autouse=False)
+def page_kind(request):
+    return request.param
+
+
+def pool_of(num_pages=64, page_size=4, kind="fp32"):
+    k_codec, v_codec = PAGE_KINDS[kind]
     return PagePool(num_layers=1, num_kv_heads=H, head_dim=D, page_size=page_size,
-                    num_pages=num_pages, dtype=mx.float32)
+                    num_pages=num_pages, dtype=mx.float32, k_codec=k_codec, v_codec=v_codec)
 
 
 def filled(pool, n, seed=0):
@@ -71,8 +84,8 @@ def test_view_of_ragged_rows_masks_each_row_to_its_own_length():
     view.release()
 
 
-def test_view_output_unchanged_after_the_cache_appends_100_tokens():
-    pool = pool_of(num_pages=128)
+def test_view_output_unchanged_after_the_cache_appends_100_tokens(page_kind):
+    pool = pool_of(num_pages=128, kind=page_kind)
     cache, k, v = filled(pool, 10)
     q = query()
     view = KvAttentionView.of_cache(cache)
@@ -85,8 +98,8 @@ def test_view_output_unchanged_after_the_cache_appends_100_tokens():
     view.release()
 
 
-def test_view_keeps_its_pages_through_trim_release_and_reuse_by_another_sequence():
-    pool = pool_of(num_pages=9, page_size=4)  # 8 usable pages
+def test_view_keeps_its_pages_through_trim_release_and_reuse_by_another_sequence(page_kind):
+    pool = pool_of(num_pages=9, page_size=4, kind=page_kind)  # 8 usable pages
     cache, k, v = filled(pool, 16)  # 4 pages
     q = query()
     view = KvAttentionView.of_cache(cache)
@@ -104,8 +117,8 @@ def test_view_keeps_its_pages_through_trim_release_and_reuse_by_another_sequence
     pool.allocator.check()
 
 
-def test_double_release_and_use_after_release_raise():
-    pool = pool_of()
+def test_double_release_and_use_after_release_raise(page_kind):
+    pool = pool_of(kind=page_kind)
     cache, _, _ = filled(pool, 5)
     view = KvAttentionView.of_cache(cache)
     kv = ViewKv(view, offset=4)
@@ -151,16 +164,8 @@ def test_plain_kv_with_rotated_values_restores_the_output():
         PlainKv(k, v, offset=0, v_rotated=True)
 
 
-def test_quant_kv_attend_is_not_supported_yet():
-    t = (mx.zeros((1, H, 4, 2), mx.uint32), mx.zeros((1, H, 4, 1)), mx.zeros((1, H, 4, 1)))
-    kv = QuantKv(t, t, bits=8, group_size=16, offset=3)
-    with pytest.raises(NotSupportedError):
-        kv.attend(query(), SCALE)
-    kv.release()
-
-
-def test_forward_pass_releases_everything_also_when_the_pass_raises():
-    pool = pool_of()
+def test_forward_pass_releases_everything_also_when_the_pass_raises(page_kind):
+    pool = pool_of(kind=page_kind)
     cache, _, _ = filled(pool, 9)
     in_use = pool.allocator.num_in_use()
     with pytest.raises(RuntimeError, match="model blew up"):
@@ -174,8 +179,8 @@ def test_forward_pass_releases_everything_also_when_the_pass_raises():
     assert pool.allocator.refcount(int(cache.table.pages[0])) == 1
 
 
-def test_debug_pass_reports_a_shared_kv_it_did_not_own_and_still_frees_its_pages():
-    pool = pool_of()
+def test_debug_pass_reports_a_shared_kv_it_did_not_own_and_still_frees_its_pages(page_kind):
+    pool = pool_of(kind=page_kind)
     cache, _, _ = filled(pool, 9)
     with pytest.raises(KvLeakError):
         with ForwardPass(debug=True):

@@ -11,14 +11,14 @@ VOCAB = 128
 
 CONFIGS = {
     "llama": {
-        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 96,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+        "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 3, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
         "vocab_size": VOCAB, "rope_theta": 10000.0, "tie_word_embeddings": False,
     },
     "qwen3": {
         "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 96,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB, "max_position_embeddings": 1024, "head_dim": 32,
+        "vocab_size": VOCAB, "max_position_embeddings": 1024, "head_dim": 64,
         "tie_word_embeddings": True, "rope_theta": 1000000.0,
     },
     "gemma3n": {

@@ -1,0 +1,40 @@
+"""Helpers for a serving loop's scheduler (the scheduler itself stays the user's).
+
+- ``pages_for(tokens, page_size)``: pages a sequence of that many tokens occupies.
+- ``can_admit(pool, prompt_tokens, max_new_tokens, ...)``: would a new request fit in
+  the free + evictable pages, keeping a watermark free for the running sequences?
+- ``preempt(cache)``: give a sequence's pages back (its registered prefix pages stay
+  cached, so it can resume from them or be recomputed later).
+"""
+
+from __future__ import annotations
+
+import math
+
+from pagedkv.cache import PagedPromptCache
+from pagedkv.pool import PagePool
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached_tokens: int = 0,
+              watermark: float = 0.01) -> bool:
+    """True if a request needs no more than the available pages minus a watermark.
+
+    ``cached_tokens`` are prompt tokens a prefix cache will serve (they cost no new
+    pages). ``watermark`` is the fraction of the pool kept free for running sequences.
+    """
+    if prompt_tokens < 1 or max_new_tokens < 0 or not 0 <= watermark < 1:
+        raise ValueError("prompt_tokens >= 1, max_new_tokens >= 0, 0 <= watermark < 1")
+    need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size
+    reserve = math.ceil(watermark * pool.num_pages)
+    return need <= pool.allocator.num_available() - reserve
+
+
+def preempt(cache: PagedPromptCache) -> int:
+    """Release a sequence's pages now; returns how many references were given back."""
+    held = sum(t.num_pages for t in cache.tables)
+    cache.release()
+    return held

@@ -1,0 +1,157 @@
+"""PagedBatch vs mlx-lm's BatchKVCache: ragged rows, rows joining mid-way, leaving, extracting."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from tiny_models import greedy, make_model, make_pool, prompt_of
+
+from pagedkv import KvShapeError, PagedBatch, PoolExhausted, make_paged_cache
+
+PROMPTS = [prompt_of(9, seed=1), prompt_of(23, seed=2), prompt_of(40, seed=3)]
+JOIN_AT, STEPS = 5, 16
+
+
+def ref_run(model):
+    """mlx-lm: prefill each row alone, merge into BatchKVCache, decode batched."""
+    caches, toks = [], []
+    for p in PROMPTS[:2]:
+        c = make_prompt_cache(model)
+        toks.append(int(mx.argmax(model(mx.array(p)[None], cache=c)[0, -1]).item()))
+        caches.append(c)
+    batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(model.layers))]
+    logits_per_step, tokens = [], [[t] for t in toks]
+    for step in range(STEPS):
+        if step == JOIN_AT:
+            c = make_prompt_cache(model)
+            toks.append(int(mx.argmax(model(mx.array(PROMPTS[2])[None], cache=c)[0, -1]).item()))
+            tokens.append([toks[-1]])
+            for layer in range(len(model.layers)):
+                batch[layer].extend(BatchKVCache.merge([c[layer]]))
+        logits = model(mx.array(toks)[:, None], cache=batch)[:, -1]
+        mx.eval(logits)
+        logits_per_step.append(logits)
+        toks = mx.argmax(logits, axis=-1).tolist()
+        for row, t in zip(tokens, toks):
+            row.append(t)
+    return tokens, logits_per_step
+
+
+def paged_run(model, pool):
+    batch = PagedBatch.for_model(model, pool)
+    toks = []
+    for p in PROMPTS[:2]:
+        c = make_paged_cache(model, pool)
+        toks.append(int(mx.argmax(model(mx.array(p)[None], cache=c)[0, -1]).item()))
+        batch.extend(c)
+    logits_per_step, tokens = [], [[t] for t in toks]
+    for step in range(STEPS):
+        if step == JOIN_AT:
+            c = make_paged_cache(model, pool)
+            toks.append(int(mx.argmax(model(mx.array(PROMPTS[2])[None], cache=c)[0, -1]).item()))
+            tokens.append([toks[-1]])
+            batch.extend(c)
+        logits = model(mx.array(toks)[:, None], cache=batch.caches)[:, -1]
+        mx.eval(logits)
+        logits_per_step.append(logits)
+        toks = mx.argmax(logits, axis=-1).tolist()
+        for row, t in zip(tokens, toks):
+            row.append(t)
+    return tokens, logits_per_step, batch
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_batched_decode_matches_mlx_lm_batch_kv_cache_with_a_row_joining(kind):
+    model = make_model(kind)
+    ref_tokens, ref_logits = ref_run(model)
+    pool = make_pool(kind, page_size=8, num_pages=128)
+    tokens, logits, batch = paged_run(model, pool)
+    assert tokens == ref_tokens
+    for a, b in zip(ref_logits, logits):
+        assert a.shape == b.shape
+        assert mx.abs(a - b).max().item() <= 1e-4
+    # and every row equals decoding that row alone
+    for p, row in zip(PROMPTS, tokens):
+        solo, _ = greedy(model, p, make_prompt_cache(model), len(row))
+        assert solo == row
+    # no padding: the pool holds exactly the rows' pages
+    assert pool.allocator.num_in_use() == sum(-(-n // 8) for n in batch.lengths)
+    batch.release()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
+def test_rows_leave_and_are_extracted_without_touching_other_rows():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=8, num_pages=128)
+    _, _, batch = paged_run(model, pool)
+    pages_before = [t.pages.tolist() for t in batch.rows]
+    row2 = batch.extract(2)
+    batch.filter([1])  # row 0 leaves
+    assert [t.pages.tolist() for t in batch.rows] == [pages_before[1]]
+    assert row2.tables[0].pages.tolist() == pages_before[2]
+    assert pool.allocator.num_in_use() == len(pages_before[1]) + len(pages_before[2])
+    # the extracted row keeps generating on its own, exactly like an unbatched run
+    n = row2.num_tokens
+    more, _ = greedy(model, [5], row2, 4)
+    assert row2.num_tokens == n + 5 and len(more) == 4
+    row2.release()
+    batch.release()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
+def test_offset_is_an_int32_array_of_row_positions_and_shared_offset_arr_is_owned():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=8, num_pages=128)
+    batch = PagedBatch.for_model(model, pool)
+    for p in PROMPTS[:2]:
+        c = make_paged_cache(model, pool)
+        model(mx.array(p)[None], cache=c)
+        batch.extend(c)
+    off = batch.caches[0].offset
+    assert off.dtype == mx.int32 and off.tolist() == [9, 23]
+    model(mx.array([[1], [2]]), cache=batch.caches)
+    kv = batch.caches[0].fetch_shared()
+    assert kv.offset_arr.tolist() == [9, 23]
+    model(mx.array([[3], [4]]), cache=batch.caches)  # the cache's positions move on
+    assert batch.caches[0].offset.tolist() == [11, 25]
+    assert kv.offset_arr.tolist() == [9, 23]
+    assert kv.attention.lengths == [10, 24]
+    kv.release()
+    batch.release()
+
+
+def test_a_step_that_cannot_get_pages_for_every_row_changes_nothing():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=8)  # 7 usable pages
+    batch = PagedBatch.for_model(model, pool)
+    for p in (prompt_of(12, seed=1), prompt_of(12, seed=2)):  # 3 pages each, both full
+        c = make_paged_cache(model, pool)
+        model(mx.array(p)[None], cache=c)
+        batch.extend(c)
+    before = (pool.allocator.stats(), batch.lengths, [t.pages.tolist() for t in batch.rows])
+    with pytest.raises(PoolExhausted):
+        batch.caches[0].update_and_fetch(mx.zeros((2, 2, 1, 64)), mx.zeros((2, 2, 1, 64)))
+    assert (pool.allocator.stats(), batch.lengths, [t.pages.tolist() for t in batch.rows]) == before
+    assert batch._offsets[0].tolist() == [12, 12]
+    with pytest.raises(KvShapeError):
+        batch.caches[0].update_and_fetch(mx.zeros((3, 2, 1, 64)), mx.zeros((3, 2, 1, 64)))
+    batch.release()
+    assert pool.allocator.num_in_use() == 0
+
+
+def test_batch_memory_is_the_sum_of_rows_not_b_times_the_longest():
+    pool = make_pool("llama", page_size=16, num_pages=512)
+    model = make_model("llama")
+    batch = PagedBatch.for_model(model, pool)
+    lengths = [3, 200, 17, 64]
+    for n in lengths:
+        c = make_paged_cache(model, pool)
+        model(mx.array(prompt_of(n))[None], cache=c)
+        batch.extend(c)
+    pages = pool.allocator.num_in_use()
+    assert pages == sum(-(-n // 16) for n in lengths)
+    assert pages < len(lengths) * -(-max(lengths) // 16) / 2
+    assert np.array_equal(batch._offsets[0], lengths)
+    batch.release()

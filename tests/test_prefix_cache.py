@@ -1,0 +1,131 @@
+"""Prefix caching: identical outputs, reuse, LRU eviction, token verification; admission."""
+
+import mlx.core as mx
+import pytest
+from tiny_models import make_model, make_pool, prompt_of
+
+from pagedkv import PrefixCache, can_admit, make_paged_cache, pages_for, preempt
+from pagedkv.generation import generate
+
+PS = 8
+SYSTEM = prompt_of(43, seed=11)  # 5 full pages + 3 tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama")
+
+
+def run(model, cache, rest, n=12):
+    return list(generate(model, cache, rest, max_tokens=n))
+
+
+def test_outputs_with_prefix_caching_equal_outputs_without(model):
+    pool = make_pool("llama", page_size=PS, num_pages=128)
+    prefix = PrefixCache(pool)
+    first = SYSTEM + prompt_of(6, seed=1)
+    cache, rest = prefix.new_cache(model, first)
+    assert rest == first  # nothing cached yet
+    out_first = run(model, cache, rest)
+    prefix.register(cache, first + out_first)
+    cache.release()
+
+    second = SYSTEM + prompt_of(9, seed=2)
+    cache, rest = prefix.new_cache(model, second)
+    assert len(rest) == len(second) - 40  # 5 pages came from the cache
+    with_cache = run(model, cache, rest)
+    cache.release()
+    with make_paged_cache(model, pool) as plain:
+        without = run(model, plain, second)
+    assert with_cache == without
+    st = prefix.stats()
+    assert (st.hit_pages, st.hit_tokens, st.queries) == (5, 40, 2)
+    assert 0 < st.token_hit_rate < 1
+    pool.allocator.check()
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(model):
+    pool = make_pool("llama", page_size=PS, num_pages=64)
+    prefix = PrefixCache(pool)
+    tokens = prompt_of(32, seed=5)  # exactly 4 pages
+    cache, _ = prefix.new_cache(model, tokens)
+    run(model, cache, tokens, n=1)
+    prefix.register(cache, tokens)
+    cache.release()
+    cache, rest = prefix.new_cache(model, tokens)
+    assert len(rest) == 8  # the last page is recomputed so the model yields logits
+    cache.release()
+
+
+def test_released_pages_stay_cached_and_are_evicted_lru_only_when_needed(model):
+    pool = make_pool("llama", page_size=PS, num_pages=12)  # 11 usable pages
+    prefix = PrefixCache(pool)
+    old = prompt_of(24, seed=1)
+    new = prompt_of(24, seed=2)
+    for tokens in (old, new):
+        cache, rest = prefix.new_cache(model, tokens)
+        run(model, cache, rest, n=1)
+        prefix.register(cache, tokens)
+        cache.release()
+    assert pool.allocator.num_cached() == 6 and pool.allocator.num_free() == 5
+    with make_paged_cache(model, pool) as big:  # needs 7 pages, 5 free: evicts the 2 oldest
+        model(mx.array(prompt_of(56, seed=3))[None], cache=big)
+    assert prefix.stats().evictions == 2
+    assert len(prefix.match(old + [1])) == 0  # old's first page is gone, so the chain breaks
+    assert len(prefix.match(new + [1])) == 3  # new's pages survived
+    pool.allocator.check()
+
+
+def test_a_hash_collision_is_caught_by_comparing_tokens(model, monkeypatch):
+    pool = make_pool("llama", page_size=PS, num_pages=64)
+    prefix = PrefixCache(pool)
+    a = prompt_of(17, seed=1)
+    cache, rest = prefix.new_cache(model, a)
+    run(model, cache, rest, n=1)
+    monkeypatch.setattr(prefix, "page_hash", lambda parent, tokens: b"same-for-every-page")
+    prefix.register(cache, a)
+    cache.release()
+    b = prompt_of(17, seed=2)
+    assert prefix.match(b) == []  # same hash, different tokens: not a hit
+    assert len(prefix.match(a)) == 1
+
+
+def test_a_registered_page_is_never_overwritten(model):
+    pool = make_pool("llama", page_size=PS, num_pages=64)
+    prefix = PrefixCache(pool)
+    tokens = prompt_of(20, seed=4)
+    cache, rest = prefix.new_cache(model, tokens)
+    run(model, cache, rest, n=1)
+    prefix.register(cache, tokens)
+    registered = cache.tables[0].pages[:2].tolist()
+    for c in cache:
+        c.trim(6)  # back into the second registered page
+    model(mx.array([prompt_of(3, seed=9)]), cache=cache)
+    assert cache.tables[0].pages[1] != registered[1]  # written into a copy
+    cache.release()
+    again, rest = prefix.new_cache(model, tokens)
+    with make_paged_cache(model, pool) as plain:
+        assert run(model, again, rest) == run(model, plain, tokens)
+    again.release()
+
+
+def test_extra_keys_separate_caches(model):
+    pool = make_pool("llama", page_size=PS, num_pages=64)
+    a, b = PrefixCache(pool, extra_keys="adapter-a"), PrefixCache(pool, extra_keys="adapter-b")
+    assert a.page_hash(b"", [1, 2]) != b.page_hash(b"", [1, 2])
+
+
+def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):
+    pool = make_pool("llama", page_size=PS, num_pages=11)  # 10 usable
+    assert pages_for(17, PS) == 3
+    assert can_admit(pool, 40, 40, watermark=0.0)
+    assert not can_admit(pool, 40, 41, watermark=0.0)
+    assert not can_admit(pool, 40, 30, watermark=0.2)
+    assert can_admit(pool, 40, 41, cached_tokens=16, watermark=0.0)
+    cache = make_paged_cache(model, pool)
+    model(mx.array([prompt_of(30)]), cache=cache)
+    assert not can_admit(pool, 40, 20, watermark=0.0)
+    assert preempt(cache) == 4
+    assert can_admit(pool, 40, 20, watermark=0.0)
+    with pytest.raises(ValueError):
+        can_admit(pool, 0, 1)
