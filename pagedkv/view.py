@@ -29,6 +29,7 @@ import numpy as np
 
 from pagedkv.attention import attend_parts, decode_kv
 from pagedkv.errors import KvShapeError, ReleasedError
+from pagedkv.kernels import paged_decode
 from pagedkv.mask import causal_mask
 from pagedkv.pool import PagePool
 
@@ -66,6 +67,7 @@ class KvAttentionView:
         snapshot = np.full((len(rows), width), pool.null_page, dtype=np.int64)
         for b, r in enumerate(rows):
             snapshot[b, : r.size] = r
+        self._table = mx.array(snapshot.astype(np.int32))  # [B, width] page ids (kernel path)
         held = np.concatenate(rows)
         pool.allocator.incref(held)  # the last step that can fail: nothing to undo
         self._held = held
@@ -163,6 +165,8 @@ class KvAttentionView:
                 f"queries {tuple(q.shape)} do not fit a view of {self.batch} rows, "
                 f"{self.pool.num_kv_heads} kv heads, head_dim {self.pool.head_dim}"
             )
+        if paged_decode.usable(q, mask, self.pool):
+            return self._attend_kernel(q, scale, window)
         k_parts, v_parts = self.parts()
         n_keys = k_parts[0].shape[2]
         if self.batch > 1:
@@ -181,6 +185,19 @@ class KvAttentionView:
             else:
                 mask = mx.where(wm, mask, -mx.inf)
         return attend_parts(q, k_parts, v_parts, scale, mask, self.pool.k_codec, self.pool.v_codec)
+
+    def _attend_kernel(self, q: mx.array, scale: float, window: int | None) -> mx.array:
+        """CUDA: attention read straight from the pool through the page snapshot."""
+        off = self.first_page_token
+        starts = [s - o for s, o in zip(self.starts, off)]
+        lengths = [n - o for n, o in zip(self.lengths, off)]
+        if window is not None:
+            starts = [max(s, n - window) for s, n in zip(starts, lengths)]
+        k, v = self.pool.layer_arrays(self.layer)
+        return paged_decode.paged_decode(
+            q, k, v, self._table, mx.array(lengths, dtype=mx.int32), mx.array(starts, dtype=mx.int32),
+            scale, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
+        )
 
     def _window_mask(self, n_q: int, window: int, width: int) -> mx.array:
         cols = mx.arange(width)[None, :]
