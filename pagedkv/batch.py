@@ -26,8 +26,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.cache import PagedPromptCache, cache_class_for
-from pagedkv.errors import KvShapeError, NotSupportedError, PoolExhausted, ReleasedError
+from pagedkv.attention import decode_kv
+from pagedkv.cache import PagedKVCache, PagedPromptCache, cache_class_for
+from pagedkv.errors import (
+    KvDTypeError,
+    KvShapeError,
+    NotSupportedError,
+    PoolExhausted,
+    ReleasedError,
+)
 from pagedkv.pool import PagePool
 from pagedkv.shared import ViewKv
 from pagedkv.table import PageTable
@@ -36,7 +43,7 @@ from pagedkv.view import KvAttentionView
 
 class PagedBatch:
     def __init__(self, pool: PagePool, num_layers: int) -> None:
-        if cache_class_for(pool).__name__ != "PagedKVCache":
+        if cache_class_for(pool) is not PagedKVCache:
             raise NotSupportedError("the batched cache stores full-precision or rotated/mixed pages; "
                                     "affine pages with mlx-lm's quantised path are single-sequence only")
         self.pool = pool
@@ -44,6 +51,12 @@ class PagedBatch:
         self._offsets = np.zeros((num_layers, 0), dtype=np.int64)  # [layer, row] tokens written
         self.caches = [PagedBatchKVCache(self, i) for i in range(num_layers)]
         self._released = False
+        self._version = 0  # bumped whenever rows or their pages change
+        self._memo: dict = {}  # per-step index arrays, shared by every layer of the step
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._memo.clear()
 
     @classmethod
     def for_model(cls, model, pool: PagePool) -> PagedBatch:
@@ -83,16 +96,16 @@ class PagedBatch:
         self._offsets = np.concatenate([self._offsets, np.full((len(self.caches), 1), table.num_tokens)], axis=1)
         prompt_cache.tables = []  # moved: releasing the prompt cache no longer touches the table
         prompt_cache.clear()
+        self._changed()
         return len(self.rows) - 1
 
     def extract(self, row: int) -> PagedPromptCache:
         """Move row ``row`` out as a one-sequence cache (no copy); the other rows stay."""
-        from pagedkv.cache import PagedKVCache
-
         self._check()
         table = self.rows.pop(row)
         offsets = self._offsets[:, row]
         self._offsets = np.delete(self._offsets, row, axis=1)
+        self._changed()
         table.members = []
         caches = []
         for layer, off in enumerate(offsets.tolist()):
@@ -111,6 +124,7 @@ class PagedBatch:
                 table.release()
         self.rows = [self.rows[i] for i in keep]
         self._offsets = self._offsets[:, keep]
+        self._changed()
 
     def release(self) -> None:
         """Release every row (exactly once)."""
@@ -120,6 +134,7 @@ class PagedBatch:
         self.rows = []
         self._offsets = self._offsets[:, :0]
         self._released = True
+        self._changed()
 
     # ------------------------------------------------------------------ one layer's step
     def _reserve(self, layer: int, count: int) -> None:
@@ -130,6 +145,9 @@ class PagedBatch:
         available = self.pool.allocator.num_available()
         if total > available:
             raise PoolExhausted(total, available)
+        if total == 0 and all(n <= 0 for n in needs):
+            return
+        self._changed()
         grown = []
         try:  # cannot fail after the check above; the rollback is a second line of defence
             for b, table in enumerate(self.rows):
@@ -143,6 +161,12 @@ class PagedBatch:
             raise
 
     def _write_index(self, layer: int, count: int) -> tuple[mx.array, mx.array]:
+        key = ("w", self._offsets[layer].tobytes(), count)
+        if key not in self._memo:
+            self._memo[key] = self._build_write_index(layer, count)
+        return self._memo[key]
+
+    def _build_write_index(self, layer: int, count: int) -> tuple[mx.array, mx.array]:
         rows, slots = [], []
         ps = self.pool.page_size
         for b, table in enumerate(self.rows):
@@ -154,18 +178,23 @@ class PagedBatch:
         return (mx.array(np.concatenate(rows, axis=1).astype(np.int32)),
                 mx.array(np.concatenate(slots).astype(np.int32)))
 
+    def _read_index(self) -> tuple[mx.array, int]:
+        if "r" not in self._memo:
+            ps = self.pool.page_size
+            width = max(-(-t.num_tokens // ps) for t in self.rows)
+            table = np.full((len(self.rows), width), self.pool.null_page, dtype=np.int64)
+            for b, t in enumerate(self.rows):
+                p = t.pages
+                table[b, : p.size] = p
+            index = mx.array((self.pool._head_base[None] + table[:, None, :]).reshape(-1).astype(np.int32))
+            self._memo["r"] = (index, width)
+        return self._memo["r"]
+
     def _read(self, layer: int) -> tuple[mx.array, mx.array, int]:
         ps = self.pool.page_size
-        width = max(-(-t.num_tokens // ps) for t in self.rows)
-        table = np.full((len(self.rows), width), self.pool.null_page, dtype=np.int64)
-        for b, t in enumerate(self.rows):
-            p = t.pages
-            table[b, : p.size] = p
-        index = mx.array((self.pool._head_base[None] + table[:, None, :]).reshape(-1).astype(np.int32))
+        index, width = self._read_index()
         k_parts, v_parts = self.pool.gather(layer, index, 0, len(self.rows) * width * ps)
         h = self.pool.num_kv_heads
-        from pagedkv.attention import decode_kv
-
         k, v = decode_kv(k_parts, v_parts, self.pool.k_codec, self.pool.v_codec, self.pool.dtype)
         return (k.reshape(len(self.rows), h, width * ps, k.shape[-1]),
                 v.reshape(len(self.rows), h, width * ps, v.shape[-1]), width * ps)
@@ -196,8 +225,6 @@ class PagedBatchKVCache:
             raise KvShapeError(f"keys {tuple(keys.shape)} / values {tuple(values.shape)} do not fit a batch "
                                f"of {batch.size} rows, {pool.num_kv_heads} kv heads, head_dim {pool.head_dim}")
         if keys.dtype != pool.dtype or values.dtype != pool.dtype:
-            from pagedkv.errors import KvDTypeError
-
             raise KvDTypeError(f"keys/values must be {pool.dtype}")
         self._step_offsets = self.offset
         batch._reserve(self.layer, t)  # atomic across rows
