@@ -95,6 +95,8 @@ def attention(args) -> None:
         batches, lens = (1, 32, 64), (4096, 16384)
     cases = [(b, [L] * b, f"{L}") for b in batches for L in lens]
     cases += [(b, rng.integers(256, 8193, b).tolist(), "ragged") for b in (8, 32, 64, 128)]
+    if args.focus:  # the configurations the targets name
+        cases = [(b, [4096] * b, "4096") for b in (8, 32, 64)] + [(64, rng.integers(256, 8193, 64).tolist(), "ragged")]
     scale = D ** -0.5
     for b, lengths, label in cases:
         if b * max(lengths) * HKV * D >= 2**31:  # MLX's take (the fallback) indexes with int32
@@ -210,14 +212,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--focus", action="store_true", help="B=8/32/64 at L=4k and one ragged batch; no writes")
     args = ap.parse_args()
     if not paged_decode.available():
         raise SystemExit("needs MLX on a CUDA GPU")
     say(f"mlx {mx.__version__} {mx.default_device()}")
     if not args.skip_attention:
         attention(args)
-    writes(args)
-    pool_writes(args)
+    if not args.focus:
+        writes(args)
+        pool_writes(args)
     if args.out:
         Path(args.out).write_text("\n".join(LINES) + "\n")
 
