@@ -208,8 +208,13 @@ class RefCountingAllocator:
                 raise PoolExhausted(n, self.num_available())
             self._evict(short)
         ids = self._pop_free(n)
-        self._state[ids] = _IN_USE
-        self._refcount[ids] = 1
+        if n == 1:  # scalar path: the common decode-time allocation
+            page = int(ids[0])
+            self._state[page] = _IN_USE
+            self._refcount[page] = 1
+        else:
+            self._state[ids] = _IN_USE
+            self._refcount[ids] = 1
         self._in_use += n
         self._allocated += n
         if self._in_use > self._peak_in_use:
@@ -329,8 +334,16 @@ class RefCountingAllocator:
                 self._push_free(cached)
         self._debug_check()
 
+    def _page(self, page: int) -> int:
+        """Validate one page id (a Python or numpy int) without building an array."""
+        if isinstance(page, bool) or not isinstance(page, (int, np.integer)):
+            raise InvalidArgument(f"a page id must be an int, got {type(page).__name__}")
+        if not 0 <= page < self._n:
+            raise InvalidPage(f"page id {page} out of range [0, {self._n})")
+        return int(page)
+
     def is_cacheable(self, page: int) -> bool:
-        return bool(self._cacheable[self._ids([page])[0]])
+        return bool(self._cacheable[self._page(page)])
 
     def evict(self, n: int) -> list[int]:
         """Evict the ``n`` least recently used CACHED pages to FREE; returns their ids."""
@@ -346,10 +359,10 @@ class RefCountingAllocator:
         return list(self._lru)
 
     def refcount(self, page: int) -> int:
-        return int(self._refcount[self._ids([page])[0]])
+        return int(self._refcount[self._page(page)])
 
     def page_state(self, page: int) -> PageState:
-        return PageState(int(self._state[self._ids([page])[0]]))
+        return PageState(int(self._state[self._page(page)]))
 
     # ------------------------------------------------------------------ internals
     def _release_zero(self, zero: np.ndarray) -> None:

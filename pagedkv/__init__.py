@@ -17,12 +17,13 @@ from pagedkv.donor_cache import DonorCache, donor_caches
 from pagedkv.drafter import DrafterKv
 from pagedkv.errors import (
     KvDTypeError,
+    KvLeakError,
     KvShapeError,
     NotSupportedError,
     PagedKvError,
     ReleasedError,
 )
-from pagedkv.forward_pass import ForwardPass, KvLeakError
+from pagedkv.forward_pass import ForwardPass
 from pagedkv.pool import PagePool, raise_cache_limit
 from pagedkv.prefix import PrefixCache, PrefixStats
 from pagedkv.scheduling import can_admit, pages_for, preempt

@@ -14,6 +14,7 @@ __all__ = [
     "KvDTypeError",
     "ReleasedError",
     "NotSupportedError",
+    "KvLeakError",
     "PoolExhausted",
 ]
 
@@ -36,3 +37,7 @@ class ReleasedError(PagedKvError, RuntimeError):
 
 class NotSupportedError(PagedKvError, NotImplementedError):
     """A combination pagedkv does not support (yet); the message says which."""
+
+
+class KvLeakError(PagedKvError, RuntimeError):
+    """A SharedKv created during a ForwardPass was neither handed to the pass nor released."""

@@ -18,14 +18,10 @@ import contextvars
 import os
 from typing import Optional
 
-from pagedkv.errors import PagedKvError
+from pagedkv.errors import KvLeakError, PagedKvError
 from pagedkv.shared import SharedKv
 
 _ACTIVE: contextvars.ContextVar[Optional[ForwardPass]] = contextvars.ContextVar("pagedkv_pass", default=None)
-
-
-class KvLeakError(PagedKvError, RuntimeError):
-    """A SharedKv created during a pass was neither handed to the pass nor released."""
 
 
 class ForwardPass:

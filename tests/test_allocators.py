@@ -272,3 +272,16 @@ def test_debug_env_runs_check_after_every_call(make, monkeypatch):
     a._state[ids[0]] = 0  # corrupt; the next mutating call must notice
     with pytest.raises(InvariantViolation):
         a.allocate(1)
+
+
+def test_single_page_queries_validate_their_argument(make):
+    a = make(4)
+    (p,) = a.allocate(1).tolist()
+    assert a.refcount(p) == 1 and a.page_state(np.int64(p)) == PageState.IN_USE
+    with pytest.raises(InvalidPage):
+        a.refcount(4)
+    with pytest.raises(InvalidPage):
+        a.is_cacheable(-1)
+    for bad in (1.0, True, "1", None):
+        with pytest.raises(InvalidArgument):
+            a.page_state(bad)
