@@ -310,6 +310,8 @@ class PagedPromptCache(list):
 
     def release(self) -> None:
         """Give back every page of this sequence; a second call raises ``ReleasedError``."""
+        if not self.tables:
+            raise ReleasedError("this cache's pages were moved into a batch (PagedBatch.extend)")
         if self.released:
             raise ReleasedError("prompt cache released twice")
         for t in self.tables:

@@ -109,6 +109,8 @@ class PagePool:
             allocator = FreeListAllocator(self.num_pages, null_page=True)
         elif allocator.num_pages != self.num_pages:
             raise ValueError(f"allocator has {allocator.num_pages} pages, pool has {self.num_pages}")
+        elif allocator.null_page is None:
+            raise ValueError("the pool's allocator must reserve the null page (null_page=True)")
         self.allocator = allocator
         self.null_page = allocator.null_page
         rows = self.num_kv_heads * self.num_pages
@@ -129,10 +131,6 @@ class PagePool:
             raise_cache_limit(cache_limit)
 
     # ------------------------------------------------------------------ sizes
-    @property
-    def quantized(self) -> bool:
-        return self.k_codec.quantized or self.v_codec.quantized
-
     @property
     def bytes_per_page(self) -> int:
         """Bytes of one page id across all layers, K and V."""

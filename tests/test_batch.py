@@ -6,7 +6,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from tiny_models import greedy, make_model, make_pool, prompt_of
 
-from pagedkv import KvShapeError, PagedBatch, PoolExhausted, make_paged_cache
+from pagedkv import KvShapeError, PagedBatch, PoolExhausted, ReleasedError, make_paged_cache
 
 PROMPTS = [prompt_of(9, seed=1), prompt_of(23, seed=2), prompt_of(40, seed=3)]
 JOIN_AT, STEPS = 5, 16
@@ -152,6 +152,8 @@ def test_batch_memory_is_the_sum_of_rows_not_b_times_the_longest():
         batch.extend(c)
     pages = pool.allocator.num_in_use()
     assert pages == sum(-(-n // 16) for n in lengths)
+    with pytest.raises(ReleasedError, match="moved into a batch"):
+        c.release()  # the last row's prompt cache: its table belongs to the batch now
     assert pages < len(lengths) * -(-max(lengths) // 16) / 2
     assert np.array_equal(batch._offsets[0], lengths)
     batch.release()

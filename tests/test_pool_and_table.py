@@ -51,6 +51,18 @@ def test_pool_rejects_bad_configuration(kwargs):
         PagePool(**base)
 
 
+def test_pool_needs_an_allocator_of_its_size_with_a_null_page():
+    from allocators import FreeListAllocator, SortedAllocator
+
+    base = dict(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=8)
+    with pytest.raises(ValueError, match="null page"):
+        PagePool(**base, allocator=FreeListAllocator(8))
+    with pytest.raises(ValueError, match="pages"):
+        PagePool(**base, allocator=FreeListAllocator(9, null_page=True))
+    pool = PagePool(**base, allocator=SortedAllocator(8, null_page=True))
+    assert pool.null_page == 0
+
+
 def test_cache_returns_what_was_written_across_pages():
     pool = pool_of()
     cache = PagedKVCache(PageTable(pool), 0)
