@@ -179,25 +179,17 @@ class PagedBatch:
                 mx.array(np.concatenate(slots).astype(np.int32)))
 
     def _read_index(self) -> tuple[mx.array, int]:
+        """(take-indices, width in pages) of every row; built once per change of rows/pages."""
         if "r" not in self._memo:
-            ps = self.pool.page_size
-            width = max(-(-t.num_tokens // ps) for t in self.rows)
-            table = np.full((len(self.rows), width), self.pool.null_page, dtype=np.int64)
-            for b, t in enumerate(self.rows):
-                p = t.pages
-                table[b, : p.size] = p
-            index = mx.array((self.pool._head_base[None] + table[:, None, :]).reshape(-1).astype(np.int32))
-            self._memo["r"] = (index, width)
+            table, index = self.pool.gather_index([t.pages for t in self.rows])
+            self._memo["r"] = (index, table.shape[1])
         return self._memo["r"]
 
-    def _read(self, layer: int) -> tuple[mx.array, mx.array, int]:
-        ps = self.pool.page_size
+    def _read(self, layer: int) -> tuple[mx.array, mx.array]:
+        """Every row's K/V, left-aligned: [B, kv_heads, width * page_size, D] each."""
         index, width = self._read_index()
-        k_parts, v_parts = self.pool.gather(layer, index, 0, len(self.rows) * width * ps)
-        h = self.pool.num_kv_heads
-        k, v = decode_kv(k_parts, v_parts, self.pool.k_codec, self.pool.v_codec, self.pool.dtype)
-        return (k.reshape(len(self.rows), h, width * ps, k.shape[-1]),
-                v.reshape(len(self.rows), h, width * ps, v.shape[-1]), width * ps)
+        k_parts, v_parts = self.pool.gather(layer, index, 0, width * self.pool.page_size, rows=len(self.rows))
+        return decode_kv(k_parts, v_parts, self.pool.k_codec, self.pool.v_codec, self.pool.dtype)
 
 
 class PagedBatchKVCache:
@@ -233,8 +225,7 @@ class PagedBatchKVCache:
         flat_v = values.transpose(1, 0, 2, 3).reshape(h, b * t, values.shape[-1])
         pool.write(self.layer, rows, slots, flat_k, flat_v)
         batch._offsets[self.layer] += t
-        k, v, _ = batch._read(self.layer)
-        return k, v
+        return batch._read(self.layer)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """Bool [B, 1, N, W]: row b's query i (at position len_b + i) sees keys

@@ -33,7 +33,7 @@ O(pages read); ``copy_pages`` is O(pages * layers).
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -164,13 +164,21 @@ class PagePool:
         layer of one step.
         """
         pos = np.arange(start, start + count)
-        tok_pages = pages[pos // self.page_size]
-        rows = self._head_base + tok_pages[None, :]
+        rows = self.rows(pages[pos // self.page_size])
         return mx.array(rows.astype(np.int32)), mx.array((pos % self.page_size).astype(np.int32))
 
-    def gather_index(self, pages: np.ndarray) -> mx.array:
-        """Flat int32 take-indices [kv_heads * n] for reading ``pages`` in order."""
-        return mx.array(self.rows(pages).reshape(-1).astype(np.int32))
+    def gather_index(self, rows: Sequence[np.ndarray]) -> tuple[np.ndarray, mx.array]:
+        """Read indices for one or more sequences' pages (each row's pages in order).
+
+        Returns (table int64 [len(rows), width] of page ids, padded with the null page,
+        and flat int32 take-indices [len(rows) * kv_heads * width] for ``gather``).
+        """
+        width = max(r.size for r in rows)
+        table = np.full((len(rows), width), self.null_page, dtype=np.int64)
+        for b, r in enumerate(rows):
+            table[b, : r.size] = r
+        index = (self._head_base[None] + table[:, None, :]).reshape(-1).astype(np.int32)
+        return table, mx.array(index)
 
     # ------------------------------------------------------------------ read / write
     def _validate(self, layer: int, keys: mx.array, values: mx.array) -> None:
@@ -211,15 +219,16 @@ class PagePool:
         for arr, part in zip(self._v[layer], v_parts):
             arr[rows, slots] = part
 
-    def gather(self, layer: int, index: mx.array, start: int, stop: int) -> tuple[Parts, Parts]:
-        """Read tokens [start, stop) of the pages named by ``index`` (see ``gather_index``).
+    def gather(self, layer: int, index: mx.array, start: int, stop: int,
+               rows: int = 1) -> tuple[Parts, Parts]:
+        """Read tokens [start, stop) of every row of pages named by ``index``.
 
-        ``start`` counts from the first listed page. Returns the K and V components as
-        new lazy arrays [rows, kv_heads, stop - start, c] (rows = len(index) / kv_heads /
-        pages per row; 1 for one sequence). The pool keeps weak references to them so a
-        later write of this layer can settle them first (module doc).
+        ``index`` comes from ``gather_index`` (``rows`` rows of equal width); positions
+        count from each row's first listed page. Returns the K and V components as new
+        lazy arrays [rows, kv_heads, stop - start, c]. The pool keeps weak references to
+        them so a later write of this layer can settle them first (module doc).
         """
-        n = index.shape[0] // self.num_kv_heads
+        n = index.shape[0] // (self.num_kv_heads * rows)  # pages per row
         reads = self._reads[layer]
         if len(reads) > 64:
             reads[:] = [r for r in reads if r() is not None]
@@ -227,7 +236,7 @@ class PagePool:
         def read(arrays: list[mx.array]) -> Parts:
             out = []
             for arr in arrays:
-                x = mx.take(arr, index, axis=0).reshape(1, self.num_kv_heads, n * self.page_size, arr.shape[-1])
+                x = mx.take(arr, index, axis=0).reshape(rows, self.num_kv_heads, n * self.page_size, arr.shape[-1])
                 if start or stop != n * self.page_size:
                     x = x[:, :, start:stop]
                 reads.append(weakref.ref(x))

@@ -194,7 +194,7 @@ class PageTable:
         key = ("r", self._version, first_page, stop_page)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self.pool.gather_index(self._pages[first_page:stop_page])
+            _, hit = self.pool.gather_index([self._pages[first_page:stop_page]])
             self._remember(key, hit)
         return hit
 

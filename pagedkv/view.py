@@ -63,11 +63,9 @@ class KvAttentionView:
             if not (t.first_visible() <= lo <= hi <= t.num_tokens) or hi < 1:
                 raise ValueError(f"rows must view a non-empty range inside the table, got [{lo}, {hi})")
             rows.append(t.pages[lo // ps : -(-hi // ps)])
-        width = max(r.size for r in rows)
-        snapshot = np.full((len(rows), width), pool.null_page, dtype=np.int64)
-        for b, r in enumerate(rows):
-            snapshot[b, : r.size] = r
-        self._table = mx.array(snapshot.astype(np.int32))  # [B, width] page ids (kernel path)
+        # the page-table snapshot [B, width] and head-major take-indices, one set per view
+        snapshot, self._index = pool.gather_index(rows)
+        self._table = mx.array(snapshot.astype(np.int32))  # the kernel path reads this
         held = np.concatenate(rows)
         pool.allocator.incref(held)  # the last step that can fail: nothing to undo
         self._held = held
@@ -77,11 +75,7 @@ class KvAttentionView:
         self.first_page_token = [(lo // ps) * ps for lo in starts]
         self.starts = starts
         self.lengths = lengths
-        self._width_tokens = width * ps
-        # [B * kv_heads * width] take-indices, head-major per row.
-        self._index = mx.array(
-            (pool._head_base[None] + snapshot[:, None, :]).reshape(-1).astype(np.int32)
-        )
+        self._width_tokens = snapshot.shape[1] * ps
         self._released = False
 
     @classmethod
@@ -115,12 +109,7 @@ class KvAttentionView:
         if self.batch == 1:
             off = self.first_page_token[0]
             return pool.gather(self.layer, self._index, self.starts[0] - off, self.lengths[0] - off)
-        k_parts, v_parts = pool.gather(self.layer, self._index, 0, self.batch * self._width_tokens)
-
-        def rows(parts):
-            return tuple(x.reshape(self.batch, pool.num_kv_heads, self._width_tokens, x.shape[-1]) for x in parts)
-
-        return rows(k_parts), rows(v_parts)
+        return pool.gather(self.layer, self._index, 0, self._width_tokens, rows=self.batch)
 
     def keys_values(self) -> tuple[mx.array, mx.array]:
         """Contiguous float K/V (decoded and un-rotated for quantised pages); layout as
