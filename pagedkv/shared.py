@@ -75,8 +75,25 @@ def _check_array(instance, attribute, value) -> None:
         raise KvShapeError(f"{attribute.name} must be a [B, kv_heads, L, D] mx.array")
 
 
+class _SharedKvBase:
+    """What every kind shares: it reports its creation to the active ForwardPass (debug
+    leak detection) and is released exactly once through its ``_lease`` field."""
+
+    __slots__ = ()
+
+    def __attrs_post_init__(self) -> None:
+        _note_created(self)
+
+    @property
+    def released(self) -> bool:
+        return self._lease.released
+
+    def release(self) -> None:
+        self._lease.end()
+
+
 @attrs.frozen
-class PlainKv:
+class PlainKv(_SharedKvBase):
     keys: mx.array = attrs.field(validator=_check_array)
     values: mx.array = attrs.field(validator=_check_array)
     offset: int = attrs.field(validator=_check_offset)
@@ -89,7 +106,7 @@ class PlainKv:
     def __attrs_post_init__(self) -> None:
         if self.v_rotated and self.restore_values is None:
             raise ValueError("v_rotated=True needs restore_values to un-rotate attention outputs")
-        _note_created(self)
+        super().__attrs_post_init__()
 
     def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
         self._lease.check()
@@ -100,16 +117,9 @@ class PlainKv:
         self._lease.check()
         return self.keys, self.values
 
-    @property
-    def released(self) -> bool:
-        return self._lease.released
-
-    def release(self) -> None:
-        self._lease.end()
-
 
 @attrs.frozen
-class QuantKv:
+class QuantKv(_SharedKvBase):
     keys: tuple[mx.array, mx.array, mx.array]
     values: tuple[mx.array, mx.array, mx.array]
     bits: int
@@ -121,9 +131,6 @@ class QuantKv:
     _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
     kind: Literal["quant"] = attrs.field(default="quant", init=False)
 
-    def __attrs_post_init__(self) -> None:
-        _note_created(self)
-
     def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
         """Quantised attention on the packed K/V; ``q`` itself is never modified."""
         self._lease.check()
@@ -133,24 +140,14 @@ class QuantKv:
         )
         return out.astype(q.dtype)
 
-    @property
-    def released(self) -> bool:
-        return self._lease.released
-
-    def release(self) -> None:
-        self._lease.end()
-
 
 @attrs.frozen
-class ViewKv:
+class ViewKv(_SharedKvBase):
     attention: KvAttentionView = attrs.field(validator=attrs.validators.instance_of(KvAttentionView))
     offset: int = attrs.field(validator=_check_offset)
     offset_arr: Optional[mx.array] = attrs.field(default=None, converter=_owned_positions)
     _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
     kind: Literal["view"] = attrs.field(default="view", init=False)
-
-    def __attrs_post_init__(self) -> None:
-        _note_created(self)
 
     def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
         self._lease.check()
@@ -160,12 +157,8 @@ class ViewKv:
         self._lease.check()
         return self.attention.keys_values()
 
-    @property
-    def released(self) -> bool:
-        return self._lease.released
-
     def release(self) -> None:
-        self._lease.end()
+        super().release()
         self.attention.release()
 
 
