@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 from mlx_lm.utils import _get_classes  # noqa: E402
-from timing import time_interleaved  # noqa: E402
+from timing import fixed_context_step, time_interleaved  # noqa: E402
 
 from pagedkv import PagePool, make_paged_cache  # noqa: E402
 
@@ -33,6 +33,15 @@ CFG = {
     "rope_theta": 10000.0, "tie_word_embeddings": False,
 }
 LAYERS, KV_HEADS, HEAD_DIM, Q_HEADS = 8, 4, 64, 16
+
+
+def random_model():
+    """bench's model: CFG with random weights (seed 0), evaluated."""
+    model_cls, args_cls = _get_classes(CFG)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(CFG))
+    mx.eval(model.parameters())
+    return model
 
 
 def filled_caches(model, pool, ctx):
@@ -51,10 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     repeats = 5 if args.quick else 15
     steps = 4 if args.quick else 8
-    model_cls, args_cls = _get_classes(CFG)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(CFG))
-    mx.eval(model.parameters())
+    model = random_model()
     tok = mx.array([[7]])
     whole = {}
     print(f"{'context':>8}{'KVCache ms':>12}{'paged ms':>10}{'step x':>8}{'sdpa ms':>10}{'paged attn ms':>15}{'attn x':>8}")
@@ -63,13 +69,8 @@ def main() -> None:
                         num_pages=(ctx + 64 * steps * (repeats + 4)) // 16 + 16, dtype=mx.float32)
         ref, paged = filled_caches(model, pool, ctx)
 
-        def step(cache):
-            out = model(tok, cache=cache)
-            for c in cache:  # keep the context length fixed across repeats
-                c.trim(1)
-            return out
-
-        t = time_interleaved({"ref": lambda: step(ref), "paged": lambda: step(paged)}, repeats, inner=steps)
+        t = time_interleaved({"ref": lambda: fixed_context_step(model, tok, ref),
+                              "paged": lambda: fixed_context_step(model, tok, paged)}, repeats, inner=steps)
         # Attention only, one layer: contiguous SDPA vs paged write+gather+SDPA.
         q = mx.random.normal((1, Q_HEADS, 1, HEAD_DIM))
         k1 = mx.random.normal((1, KV_HEADS, 1, HEAD_DIM))

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
-from timing import time_interleaved  # noqa: E402
+from timing import fixed_context_step, time_interleaved  # noqa: E402
 
 from pagedkv import make_paged_cache  # noqa: E402
 from pagedkv.gguf_model import load_smollm2  # noqa: E402
@@ -52,13 +52,8 @@ def main() -> None:
             p.state = (r.keys[..., :ctx, :], r.values[..., :ctx, :])
         tok = mx.array([[ids[ctx]]])
 
-        def step(cache):
-            out = lm.model(tok, cache=cache)
-            for c in cache:
-                c.trim(1)
-            return out
-
-        t = time_interleaved({"ref": lambda: step(ref), "paged": lambda: step(paged)}, repeats, inner=inner)
+        t = time_interleaved({"ref": lambda: fixed_context_step(lm.model, tok, ref),
+                              "paged": lambda: fixed_context_step(lm.model, tok, paged)}, repeats, inner=inner)
         ratio[ctx] = t["ref"] / t["paged"]
         print(f"{ctx:>8}{1 / t['ref']:>15.1f}{1 / t['paged']:>13.1f}{ratio[ctx]:>8.3f}")
         paged.release()

@@ -26,3 +26,11 @@ def time_interleaved(fns: dict[str, Callable[[], object]], repeats: int, inner: 
                 mx.eval(fn())
             samples[name].append((time.perf_counter() - t) / inner)
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def fixed_context_step(model, token: mx.array, cache) -> mx.array:
+    """One decode step, then the token is trimmed away again so repeats see the same context."""
+    out = model(token, cache=cache)
+    for c in cache:
+        c.trim(1)
+    return out

@@ -19,9 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
-from decode import CFG, HEAD_DIM, KV_HEADS, LAYERS, filled_caches  # noqa: E402
-from mlx_lm.utils import _get_classes  # noqa: E402
-from timing import time_interleaved  # noqa: E402
+from decode import HEAD_DIM, KV_HEADS, LAYERS, filled_caches, random_model  # noqa: E402
+from timing import fixed_context_step, time_interleaved  # noqa: E402
 
 from pagedkv import KvAttentionView, PagePool, ViewKv  # noqa: E402
 
@@ -31,10 +30,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     repeats = 5 if args.quick else 15
-    model_cls, args_cls = _get_classes(CFG)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(CFG))
-    mx.eval(model.parameters())
+    model = random_model()
     tok = mx.array([[7]])
     print(f"{'context':>8}{'step ms':>10}{'views us/step':>15}{'fraction':>10}")
     frac = {}
@@ -43,13 +39,7 @@ def main() -> None:
                         num_pages=ctx // 16 + 64, dtype=mx.float32)
         _, paged = filled_caches(model, pool, ctx)
 
-        def step():
-            out = model(tok, cache=paged)
-            for c in paged:
-                c.trim(1)
-            return out
-
-        t_step = time_interleaved({"s": step}, repeats, inner=4)["s"]
+        t_step = time_interleaved({"s": lambda: fixed_context_step(model, tok, paged)}, repeats, inner=4)["s"]
         n = 200
         best = float("inf")
         for _ in range(repeats):
