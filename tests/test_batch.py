@@ -12,23 +12,27 @@ PROMPTS = [prompt_of(9, seed=1), prompt_of(23, seed=2), prompt_of(40, seed=3)]
 JOIN_AT, STEPS = 5, 16
 
 
-def ref_run(model):
-    """mlx-lm: prefill each row alone, merge into BatchKVCache, decode batched."""
-    caches, toks = [], []
-    for p in PROMPTS[:2]:
-        c = make_prompt_cache(model)
-        toks.append(int(mx.argmax(model(mx.array(p)[None], cache=c)[0, -1]).item()))
-        caches.append(c)
-    batch = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(model.layers))]
-    logits_per_step, tokens = [], [[t] for t in toks]
+def batched_greedy(model, new_cache, join, step_caches):
+    """Prefill each row alone, ``join`` the rows, decode STEPS batched greedy steps; the
+    third prompt is prefilled and joins at step JOIN_AT. Returns (tokens, logits per step)."""
+
+    def prefill(prompts):
+        caches, first = [], []
+        for p in prompts:
+            c = new_cache()
+            first.append(int(mx.argmax(model(mx.array(p)[None], cache=c)[0, -1]).item()))
+            caches.append(c)
+        join(caches)
+        return first
+
+    toks = prefill(PROMPTS[:2])
+    tokens, logits_per_step = [[t] for t in toks], []
     for step in range(STEPS):
         if step == JOIN_AT:
-            c = make_prompt_cache(model)
-            toks.append(int(mx.argmax(model(mx.array(PROMPTS[2])[None], cache=c)[0, -1]).item()))
-            tokens.append([toks[-1]])
-            for layer in range(len(model.layers)):
-                batch[layer].extend(BatchKVCache.merge([c[layer]]))
-        logits = model(mx.array(toks)[:, None], cache=batch)[:, -1]
+            joined = prefill(PROMPTS[2:])
+            toks += joined
+            tokens += [[t] for t in joined]
+        logits = model(mx.array(toks)[:, None], cache=step_caches())[:, -1]
         mx.eval(logits)
         logits_per_step.append(logits)
         toks = mx.argmax(logits, axis=-1).tolist()
@@ -37,27 +41,31 @@ def ref_run(model):
     return tokens, logits_per_step
 
 
+def ref_run(model):
+    """mlx-lm: rows merged into BatchKVCache (left-padded), a late row added with extend."""
+    batch = []
+
+    def join(caches):
+        new = [BatchKVCache.merge([c[layer] for c in caches]) for layer in range(len(model.layers))]
+        if not batch:
+            batch.extend(new)
+        else:
+            for b, n in zip(batch, new):
+                b.extend(n)
+
+    return batched_greedy(model, lambda: make_prompt_cache(model), join, lambda: batch)
+
+
 def paged_run(model, pool):
+    """pagedkv: each prefilled one-sequence cache is adopted as a row (no copy)."""
     batch = PagedBatch.for_model(model, pool)
-    toks = []
-    for p in PROMPTS[:2]:
-        c = make_paged_cache(model, pool)
-        toks.append(int(mx.argmax(model(mx.array(p)[None], cache=c)[0, -1]).item()))
-        batch.extend(c)
-    logits_per_step, tokens = [], [[t] for t in toks]
-    for step in range(STEPS):
-        if step == JOIN_AT:
-            c = make_paged_cache(model, pool)
-            toks.append(int(mx.argmax(model(mx.array(PROMPTS[2])[None], cache=c)[0, -1]).item()))
-            tokens.append([toks[-1]])
+
+    def join(caches):
+        for c in caches:
             batch.extend(c)
-        logits = model(mx.array(toks)[:, None], cache=batch.caches)[:, -1]
-        mx.eval(logits)
-        logits_per_step.append(logits)
-        toks = mx.argmax(logits, axis=-1).tolist()
-        for row, t in zip(tokens, toks):
-            row.append(t)
-    return tokens, logits_per_step, batch
+
+    tokens, logits = batched_greedy(model, lambda: make_paged_cache(model, pool), join, lambda: batch.caches)
+    return tokens, logits, batch
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
