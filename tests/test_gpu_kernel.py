@@ -45,39 +45,65 @@ def rel(a, b):
     return (mx.linalg.norm((a - b).reshape(-1)) / mx.linalg.norm(b.reshape(-1))).item()
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("lengths", [[1000], [5, 777, 1600, 33], [4096, 17]])
-def test_kernel_matches_gather_sdpa_and_float32(dtype, d, lengths):
+def check_against_references(dtype, d, lengths, hq=16, pipeline=paged_decode.DEFAULT_PIPELINE):
     pool, caches, kvs = random_pool(dtype, d, lengths)
-    hq = 16
     rng = np.random.default_rng(1)
     q = mx.array(rng.standard_normal((len(lengths), hq, 1, d)).astype(np.float32)).astype(dtype)
     scale = d ** -0.5
     view = KvAttentionView(pool, 0, [c.table for c in caches])
-    table = view._table
-    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), table, mx.array(lengths, dtype=mx.int32),
+    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._table, mx.array(lengths, dtype=mx.int32),
                                     mx.zeros((len(lengths),), mx.int32), scale, num_pages=pool.num_pages,
-                                    page_size=pool.page_size, poison=True)
+                                    page_size=pool.page_size, pipeline=pipeline, poison=True)
     assert not mx.isnan(got).any().item()  # every element was written
     ref32 = reference(q, kvs, scale)
     assert rel(got, ref32) < TOL[dtype]
     gathered = mx.concatenate([
         mx.fast.scaled_dot_product_attention(q[b : b + 1], k, v, scale=scale) for b, (k, v) in enumerate(kvs)])
     assert rel(got, gathered) < TOL[dtype]
-    assert rel(view.attend(q, scale), ref32) < TOL[dtype]  # the view dispatches to the kernel
+    if pipeline == paged_decode.DEFAULT_PIPELINE:
+        assert rel(view.attend(q, scale), ref32) < TOL[dtype]  # the view dispatches to the kernel
     view.release()
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("lengths", [[1000], [5, 777, 1600, 33], [4096, 17]])
+def test_kernel_matches_gather_sdpa_and_float32(dtype, d, lengths):
+    check_against_references(dtype, d, lengths)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_cuda_core_path_matches_gather_sdpa_and_float32(dtype, d):
+    check_against_references(dtype, d, [5, 777, 1600, 33], pipeline=paged_decode.Pipeline(tensor_cores=False))
+
+
+@pytest.mark.parametrize("hq", [4, 28, 48, 64, 80])   # 4 KV heads: GQA groups of 1, 7, 12, 16, 20
+def test_any_gqa_group_size(hq):
+    check_against_references(mx.float16, 128, [300, 1000], hq=hq)
+
+
+@pytest.mark.parametrize("pipeline", [paged_decode.DEFAULT_PIPELINE, paged_decode.Pipeline(warps=8, stages=4),
+                                      paged_decode.Pipeline(2, 8, 2, tensor_cores=False)])
 @pytest.mark.parametrize("splits", [1, 3, 64])
-def test_any_split_count_gives_the_same_answer(splits):
+def test_any_split_count_and_pipeline_give_the_same_answer(splits, pipeline):
     pool, caches, kvs = random_pool(mx.float16, 128, [3000, 70])
     q = mx.random.normal((2, 8, 1, 128)).astype(mx.float16)
     view = KvAttentionView(pool, 0, [c.table for c in caches])
     got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._table, mx.array([3000, 70], dtype=mx.int32),
                                     mx.zeros((2,), mx.int32), 128 ** -0.5, num_pages=pool.num_pages,
-                                    page_size=16, splits=splits, poison=True)
+                                    page_size=16, splits=splits, pipeline=pipeline, poison=True)
     assert rel(got, reference(q, kvs, 128 ** -0.5)) < TOL[mx.float16]
+
+
+def test_rows_longer_than_one_blocks_page_ids_are_split():
+    pool, caches, kvs = random_pool(mx.float16, 64, [5000, 300], ps=1)  # 5000 pages > MAX_PAGES_PER_SPLIT
+    q = mx.random.normal((2, 8, 1, 64)).astype(mx.float16)
+    view = KvAttentionView(pool, 0, [c.table for c in caches])
+    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._table, mx.array([5000, 300], dtype=mx.int32),
+                                    mx.zeros((2,), mx.int32), 0.125, num_pages=pool.num_pages,
+                                    page_size=1, splits=1, poison=True)
+    assert rel(got, reference(q, kvs, 0.125)) < TOL[mx.float16]
 
 
 def test_window_start_skips_early_tokens():

@@ -3,55 +3,88 @@
 Two kernels through ``mx.fast.cuda_kernel`` (flash-decoding style split-K):
 
   pass 1  one thread block per (row b, KV head h, split s). The split covers pages
-          [s * PPS, (s + 1) * PPS) of row b's page table. D/8 lanes hold one token (8
-          elements each: one 16-byte load for K, one for V), so a warp covers 32/(D/8)
-          tokens at once; it issues four such groups' loads (kept packed) before any
-          math, takes the chunk's max, and rescales its accumulators once per chunk. Every
-          lane keeps its 8 elements of each query head of the GQA group (REP query heads
-          share KV head h), so one K load serves REP dot products (for fp16 as half2
-          FMAs, widened to float before the shuffle sum). Online softmax (exp2,
-          scores pre-scaled by log2 e) keeps a running max m, sum l and accumulator per
-          query head; token groups merge by shuffles, warps in shared memory, and the
-          block writes (acc[D], m, l) per query head.
+          [s * PPS, (s + 1) * PPS) of row b's page table; the block first copies those
+          page ids to shared memory. Each warp walks its share of the split's tokens;
+          D/8 lanes load one token (one 16-byte piece of K and one of V per lane), and
+          the pieces travel global -> shared by cp.async, ``Pipeline.stages - 1``
+          iterations ahead of the math. Scores of the whole GQA group (REP query heads
+          share KV head h, so each K byte is read once for all of them):
+            tensor cores (default, REP <= 16): 8 tokens per warp iteration; ldmatrix +
+              m16n8k16 MMA give S = Q . K^T in f32 for all REP heads at once; the online
+              softmax runs in the MMA fragment layout and hands p to the V side through
+              a small per-warp buffer;
+            CUDA cores (``Pipeline(tensor_cores=False)``, or REP > 16): every lane keeps
+              its 8 query elements per head, dot products end in shuffle sums.
+          V accumulates on the CUDA cores in f32: each lane owns 8 output columns of
+          every head of the group. Online softmax (exp2, scores scaled by scale * log2 e)
+          keeps a running max, sum and accumulator per head, rescaled once per warp
+          iteration; warps merge through shared memory, and the block writes
+          (acc[D], m, l) per query head.
   pass 2  one block per (row, query head): merges the splits' partials and writes the
           output in the query's dtype.
 
 Pool layout (see PagePool): per layer, [kv_heads * P, page_size, D], row h * P + page.
 Rows may be ragged; tokens outside [start_b, length_b) are skipped. Query length 1.
-Costs: every valid K/V byte is read once; partials are B * Hq * S * (D + 2) floats.
+Costs: every valid K/V byte is read once; partials are B * Hq * S * (D + 2) floats;
+shared memory per block is ``Pipeline.shared_bytes``.
 """
 
 from __future__ import annotations
 
-import math
-
+import attrs
 import mlx.core as mx
-
-WARPS = 4
 
 _HEADER = """
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
-// 8 consecutive 16-bit values in one 16-byte load, widened to float.
 template <typename A, typename B> struct same_type { static constexpr bool value = false; };
 template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+// 8 consecutive 16-bit values in one 16-byte load, widened to float.
 template <typename T> __device__ __forceinline__ void load8(const T* p, float* f) {
     const uint4 raw = *reinterpret_cast<const uint4*>(p);
     const T* h = reinterpret_cast<const T*>(&raw);
     #pragma unroll
     for (int i = 0; i < 8; ++i) f[i] = static_cast<float>(h[i]);
 }
+// Asynchronous 16-byte global -> shared copy (sm_80+); src_bytes = 0 writes zeros.
+__device__ __forceinline__ void copy16_async(void* dst, const void* src, int src_bytes) {
+    const unsigned int d = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\\n" :: "r"(d), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\\n" ::); }
+template <int N> __device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.wait_group %0;\\n" :: "n"(N));
+}
+// Tensor-core helpers (sm_80+): four 8x8 b16 matrices from shared memory, one
+// m16n8k16 multiply-accumulate with f32 accumulators.
+__device__ __forceinline__ void load_matrices_x4(const void* row, unsigned int* r) {
+    const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(row));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+}
+// a: this lane's A fragment as (a0, a2[, a1, a3]); with ROWS == 1 the rows g + 8 are zero.
+template <typename T, int ROWS> __device__ __forceinline__ void mma_16x8x16(
+        float* c, const unsigned int* a, unsigned int b0, unsigned int b1) {
+    const unsigned int a1 = ROWS > 1 ? a[2] : 0u, a3 = ROWS > 1 ? a[3] : 0u;
+    if constexpr (same_type<T, __half>::value) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a1), "r"(a[1]), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a[0]), "r"(a1), "r"(a[1]), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
 """
 
-_PASS1 = """
-    // LPT lanes hold one token's D values (8 per lane, one 16-byte load each for K and
-    // V); a warp covers TPW = 32 / LPT tokens at once and two such groups per iteration.
-    constexpr int LPT = D / 8;
-    constexpr int TPW = 32 / LPT;
+_BLOCK = """
+    // This block's (row b, KV head h, split s), the row's visible tokens [start, length),
+    // and this thread's lane and warp.
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int sub = lane / LPT;              // which token of the warp's group
-    const int col = (lane % LPT) * 8;        // first of this lane's 8 elements
     const int blk = blockIdx.x;
     const int s = blk % S;
     const int h = (blk / S) % HKV;
@@ -59,10 +92,31 @@ _PASS1 = """
     const int length = lengths[b];
     const int start = starts[b];
     const float qscale = scale[0] * 1.4426950408889634f;   // log2(e): exp2 below
+"""
 
-    // fp16: the q.k partial products run as half2 FMAs (4 per lane instead of 8 widening
-    // conversions and 8 float FMAs); the per-lane partial is widened before the shuffles.
-    constexpr bool HALF_DOT = same_type<T, __half>::value;
+_PASS1_FMA = """
+    // LPT lanes hold one token's D values (8 per lane: one 16-byte piece each of K and
+    // V); a warp covers TPW = 32 / LPT tokens at once, U such groups per iteration.
+    constexpr int LPT = D / 8;
+    constexpr int TPW = 32 / LPT;
+    constexpr int STEP = WARPS * TPW;        // tokens one group of the whole block covers
+    constexpr int CHUNK = U * STEP;          // tokens per iteration of the block
+    constexpr int SLOTS = U * 2 * 32;        // 16-byte pieces one warp stages per iteration
+    const int sub = lane / LPT;              // which token of the warp's group
+    const int col = (lane % LPT) * 8;        // first of this lane's 8 elements
+
+    // Dynamic shared memory: [WARPS][STAGES][SLOTS] staged pieces, then the split's PPS
+    // page ids (read once per block, so no page-table load sits in front of a K/V load).
+    // After the loop the same bytes hold the warps' partials for the final merge.
+    extern __shared__ uint4 smem[];
+    uint4* staged = smem + warp * (STAGES * SLOTS);
+    int* pages = reinterpret_cast<int*>(smem + WARPS * STAGES * SLOTS);
+    const int first_page = s * PPS;
+    for (int i = threadIdx.x; i < PPS && first_page + i < W; i += WARPS * 32)
+        pages[i] = table[(long long)b * W + first_page + i];
+    __syncthreads();
+
+    constexpr bool HALF_DOT = same_type<T, __half>::value;   // fp16: q.k as half2 FMAs
     float q[REP][8];
     __half2 qh[REP][4];
     #pragma unroll
@@ -80,32 +134,43 @@ _PASS1 = """
         #pragma unroll
         for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
     }
-    const int t0 = max(s * PPS * PS, start);
-    const int t1 = min((s + 1) * PPS * PS, length);
-    constexpr int U = 4;                     // token groups per warp iteration
-    constexpr int STEP = WARPS * TPW;
-    // The loop bound is warp-uniform: every lane runs every iteration, because the
-    // shuffles below need the whole warp; tokens past the end are masked by ok[].
-    for (int wbase = t0 + warp * TPW; wbase < t1; wbase += U * STEP) {
-        uint4 kraw[U], vraw[U];
-        bool ok[U];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {        // all K and V loads first, kept packed
-            const int t = wbase + sub + u * STEP;
-            ok[u] = t < t1;
-            kraw[u] = vraw[u] = make_uint4(0u, 0u, 0u, 0u);  // masked tokens: 0, never NaN
-            if (ok[u]) {
-                const int page = table[(long long)b * W + t / PS];
-                const long long off = (((long long)h * P + page) * PS + (t % PS)) * D + col;
-                kraw[u] = *reinterpret_cast<const uint4*>(kpool + off);
-                vraw[u] = *reinterpret_cast<const uint4*>(vpool + off);
+    const int t0 = max(first_page * PS, start);
+    const int t1 = min((first_page + PPS) * PS, length);
+    const int wfirst = t0 + warp * TPW;      // this warp's first token group
+    const int iters = t1 > wfirst ? (t1 - wfirst + CHUNK - 1) / CHUNK : 0;   // warp-uniform
+
+    // Each lane copies its own pieces and later reads back only those, so the pipeline
+    // needs no barrier: iteration it + STAGES - 1 is in flight while iteration it computes.
+    auto stage_copies = [&](int it) {
+        if (it < iters) {
+            uint4* dst = staged + (it % STAGES) * SLOTS;
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int t = wfirst + it * CHUNK + u * STEP + sub;
+                long long off = 0;
+                if (t < t1) {
+                    const int page = pages[t / PS - first_page];
+                    off = (((long long)h * P + page) * PS + (t % PS)) * D + col;
+                }
+                copy16_async(dst + (2 * u) * 32 + lane, kpool + off, t < t1 ? 16 : 0);
+                copy16_async(dst + (2 * u + 1) * 32 + lane, vpool + off, t < t1 ? 16 : 0);
             }
         }
+        copies_commit();                     // an empty group keeps the count uniform
+    };
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) stage_copies(i);
+    for (int it = 0; it < iters; ++it) {
+        stage_copies(it + STAGES - 1);
+        copies_wait<STAGES - 1>();
+        const uint4* cur = staged + (it % STAGES) * SLOTS;
+        const int tfirst = wfirst + it * CHUNK + sub;
         float sc[U][REP];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const T* kh = reinterpret_cast<const T*>(&kraw[u]);
-            const __half2* k2 = reinterpret_cast<const __half2*>(&kraw[u]);
+            const uint4 kraw = cur[(2 * u) * 32 + lane];
+            const T* kh = reinterpret_cast<const T*>(&kraw);
+            const __half2* k2 = reinterpret_cast<const __half2*>(&kraw);
             float kf[8];
             if constexpr (!HALF_DOT) {
                 #pragma unroll
@@ -126,11 +191,11 @@ _PASS1 = """
                 }
                 #pragma unroll
                 for (int o = LPT / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                sc[u][r] = ok[u] ? dot : -INFINITY;
+                sc[u][r] = tfirst + u * STEP < t1 ? dot : -INFINITY;
             }
         }
         #pragma unroll
-        for (int r = 0; r < REP; ++r) {      // one rescale per chunk, not per token
+        for (int r = 0; r < REP; ++r) {      // one rescale per iteration, not per token
             float mc = sc[0][r];
             #pragma unroll
             for (int u = 1; u < U; ++u) mc = fmaxf(mc, sc[u][r]);
@@ -144,19 +209,21 @@ _PASS1 = """
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const T* vh = reinterpret_cast<const T*>(&vraw[u]);
+            const uint4 vraw = cur[(2 * u + 1) * 32 + lane];
+            const T* vh = reinterpret_cast<const T*>(&vraw);
             float vf[8];
             #pragma unroll
             for (int i = 0; i < 8; ++i) vf[i] = static_cast<float>(vh[i]);
             #pragma unroll
             for (int r = 0; r < REP; ++r) {
-                const float p = ok[u] ? exp2f(sc[u][r] - m[r]) : 0.f;
+                const float p = sc[u][r] == -INFINITY ? 0.f : exp2f(sc[u][r] - m[r]);
                 l[r] += p;
                 #pragma unroll
                 for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vf[i], acc[r][i]);
             }
         }
     }
+    copies_wait<0>();
     // merge the TPW token groups of each warp (lanes differing by multiples of LPT)
     #pragma unroll
     for (int o = LPT; o < 32; o <<= 1) {
@@ -176,18 +243,221 @@ _PASS1 = """
             m[r] = mn;
         }
     }
-    // merge the warps: shared [WARPS][REP][D + 2]
-    __shared__ float sh[WARPS * REP * (D + 2)];
+    auto store_ml = [&](float* sh) {        // every lane holds the warp's m, l per head
+        if (lane == 0) {
+            #pragma unroll
+            for (int r = 0; r < REP; ++r) {
+                float* row = sh + (warp * REP + r) * (D + 2);
+                row[D] = m[r]; row[D + 1] = l[r];
+            }
+        }
+    };
+"""
+
+_PASS1_MMA = """
+    // Each warp takes 8 tokens per iteration. Their K rows go global -> shared by
+    // cp.async (STAGES - 1 iterations ahead), then the scores of all REP query heads
+    // come from tensor cores: S[16 x 8] = Q[16 heads (REP used) x D] . K[8 tokens x D]^T,
+    // D/16 m16n8k16 steps. In that fragment layout lane (g = lane / 4, tig = lane % 4)
+    // holds the scores of heads g and g + 8 for tokens 2 tig and 2 tig + 1; it runs the
+    // online softmax there (quad shuffles), and hands p and the rescale factors to the
+    // V accumulation through a small per-warp buffer. V accumulates on the CUDA cores:
+    // LPT = D / 8 lanes hold one token's V (8 elements each), TPW = 32 / LPT tokens at
+    // once, U = 8 / TPW groups per iteration, each lane owning acc[REP][8].
+    constexpr int LPT = D / 8;
+    constexpr int TPW = 32 / LPT;
+    constexpr int U = 8 / TPW;
+    constexpr int STEP = WARPS * TPW;        // tokens one group of the whole block covers
+    constexpr int CHUNK = U * STEP;          // tokens per iteration of the block
+    constexpr int SLOTS = 16 * LPT;          // 16-byte pieces per warp per stage: 8 tokens' K and V
+    constexpr int ROWS = REP > 8 ? 2 : 1;    // score rows g (and g + 8) this lane keeps
+    const int sub = lane / LPT;              // V side: which token of the warp's group
+    const int c = lane % LPT;                // V side: which 16-byte piece of the row
+    const int g = lane >> 2, tig = lane & 3; // score side: fragment coordinates
+
+    // Dynamic shared memory: [WARPS][STAGES][SLOTS] staged pieces (per stage: K rows
+    // [8][LPT] with piece c of token j at j * LPT + (c ^ j), so ldmatrix's 8 rows hit
+    // distinct banks; then V rows [8][LPT]), [WARPS][2][REP][9] floats handing p (8
+    // tokens) and the rescale factor per head to the V side (two buffers: one warp
+    // barrier per iteration), then the split's PPS page ids. After the loop the first
+    // bytes hold the warps' partials for the final merge.
+    extern __shared__ uint4 smem[];
+    uint4* staged = smem + warp * (STAGES * SLOTS);
+    float* hand = reinterpret_cast<float*>(smem + WARPS * STAGES * SLOTS) + warp * (2 * REP * 9);
+    int* pages = reinterpret_cast<int*>(smem + WARPS * STAGES * SLOTS) + WARPS * 2 * REP * 9;
+    const int first_page = s * PPS;
+    for (int i = threadIdx.x; i < PPS && first_page + i < W; i += WARPS * 32)
+        pages[i] = table[(long long)b * W + first_page + i];
+    __syncthreads();
+
+    // Q as m16n8k16 A fragments (rows = query heads, zero past REP), unscaled: the
+    // tensor cores see the query exactly as given, the f32 scores are scaled after.
+    unsigned int qa[D / 16][2 * ROWS];       // a0, a2 (rows g); a1, a3 (rows g + 8) if REP > 8
+    {
+        const unsigned int* qrow = reinterpret_cast<const unsigned int*>(queries);
+        const long long base = ((long long)b * HKV * REP + h * REP) * (D / 2);
+        #pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const int k2 = ks * 8 + tig;     // column pair 2 * tig of this k-step, in pairs
+            #pragma unroll
+            for (int hf = 0; hf < ROWS; ++hf) {
+                const int r = g + 8 * hf;
+                qa[ks][2 * hf] = r < REP ? qrow[base + r * (D / 2) + k2] : 0u;
+                qa[ks][2 * hf + 1] = r < REP ? qrow[base + r * (D / 2) + k2 + 4] : 0u;
+            }
+        }
+    }
+    float m[ROWS], lp[ROWS];                 // score side: running max, this lane's part of the sum
+    #pragma unroll
+    for (int hf = 0; hf < ROWS; ++hf) { m[hf] = -INFINITY; lp[hf] = 0.f; }
+    float acc[REP][8];                       // V side
+    #pragma unroll
+    for (int r = 0; r < REP; ++r) {
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
+    }
+    const int t0 = max(first_page * PS, start);
+    const int t1 = min((first_page + PPS) * PS, length);
+    const int wfirst = t0 + warp * TPW;      // this warp's first token group
+    const int iters = t1 > wfirst ? (t1 - wfirst + CHUNK - 1) / CHUNK : 0;   // warp-uniform
+
+    // Token j (0..7) of iteration it is t = wfirst + it * CHUNK + (j / TPW) * STEP + j % TPW.
+    auto stage_copies = [&](int it) {
+        if (it < iters) {
+            uint4* dst = staged + (it % STAGES) * SLOTS;
+            #pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const int j = u * TPW + sub;
+                const int t = wfirst + it * CHUNK + u * STEP + sub;
+                long long off = 0;
+                if (t < t1) {
+                    const int page = pages[t / PS - first_page];
+                    off = (((long long)h * P + page) * PS + (t % PS)) * D + c * 8;
+                }
+                copy16_async(dst + j * LPT + (c ^ j), kpool + off, t < t1 ? 16 : 0);
+                copy16_async(dst + 8 * LPT + j * LPT + c, vpool + off, t < t1 ? 16 : 0);
+            }
+        }
+        copies_commit();                     // an empty group keeps the count uniform
+    };
+    #pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) stage_copies(i);
+    for (int it = 0; it < iters; ++it) {
+        stage_copies(it + STAGES - 1);
+        copies_wait<STAGES - 1>();
+        __syncwarp();                        // every lane's pieces of this stage are in
+        const uint4* cur = staged + (it % STAGES) * SLOTS;
+        const int tbase = wfirst + it * CHUNK;
+
+        // scores: ldmatrix.x4 gives 4 consecutive 8-column pieces of the 8 K rows
+        // (lanes 8i..8i+7 address piece 4q + i of rows 0..7), i.e. two k-steps' B.
+        float sc[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int qd = 0; qd < D / 32; ++qd) {
+            unsigned int kb[4];
+            const int row = lane & 7, piece = 4 * qd + (lane >> 3);
+            load_matrices_x4(cur + row * LPT + (piece ^ row), kb);
+            mma_16x8x16<T, ROWS>(sc, qa[2 * qd], kb[0], kb[1]);
+            mma_16x8x16<T, ROWS>(sc, qa[2 * qd + 1], kb[2], kb[3]);
+        }
+        float* hb = hand + (it & 1) * (REP * 9);
+        #pragma unroll
+        for (int hf = 0; hf < ROWS; ++hf) {
+            const int r = g + 8 * hf;
+            float p[2];
+            float mc = -INFINITY;
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = 2 * tig + e;
+                const bool ok = tbase + (j / TPW) * STEP + j % TPW < t1;
+                p[e] = ok ? sc[2 * hf + e] * qscale : -INFINITY;
+                mc = fmaxf(mc, p[e]);
+            }
+            mc = fmaxf(mc, __shfl_xor_sync(0xffffffffu, mc, 1));
+            mc = fmaxf(mc, __shfl_xor_sync(0xffffffffu, mc, 2));
+            const float mn = fmaxf(m[hf], mc);
+            const float corr = mn == -INFINITY ? 1.f : exp2f(m[hf] - mn);
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) p[e] = p[e] == -INFINITY ? 0.f : exp2f(p[e] - mn);
+            lp[hf] = lp[hf] * corr + p[0] + p[1];
+            m[hf] = mn;
+            if (r < REP) {
+                // token j = u * TPW + sub goes to hb[r * 9 + sub * U + u]: the V side
+                // reads its U tokens as one run
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int j = 2 * tig + e;
+                    hb[r * 9 + (j % TPW) * U + j / TPW] = p[e];
+                }
+                if (tig == 0) hb[r * 9 + 8] = corr;
+            }
+        }
+        __syncwarp();                        // p and the factors are in hb
+
+        #pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            const float corr = hb[r * 9 + 8];
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc[r][i] *= corr;
+        }
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const uint4 vraw = cur[8 * LPT + (u * TPW + sub) * LPT + c];
+            const T* vh = reinterpret_cast<const T*>(&vraw);
+            float vf[8];
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) vf[i] = static_cast<float>(vh[i]);
+            #pragma unroll
+            for (int r = 0; r < REP; ++r) {
+                const float p = hb[r * 9 + sub * U + u];
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(p, vf[i], acc[r][i]);
+            }
+        }
+    }
+    copies_wait<0>();
+    // One max per head for the whole warp, so the token groups' accumulators just add.
+    #pragma unroll
+    for (int o = LPT; o < 32; o <<= 1) {
+        #pragma unroll
+        for (int r = 0; r < REP; ++r) {
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], o);
+        }
+    }
+    #pragma unroll
+    for (int hf = 0; hf < ROWS; ++hf) {
+        lp[hf] += __shfl_xor_sync(0xffffffffu, lp[hf], 1);
+        lp[hf] += __shfl_xor_sync(0xffffffffu, lp[hf], 2);
+    }
+    auto store_ml = [&](float* sh) {        // lanes (g, tig = 0) hold heads g and g + 8
+        #pragma unroll
+        for (int hf = 0; hf < ROWS; ++hf) {
+            const int r = g + 8 * hf;
+            if (tig == 0 && r < REP) {
+                float* row = sh + (warp * REP + r) * (D + 2);
+                row[D] = m[hf]; row[D + 1] = lp[hf];
+            }
+        }
+    };
+"""
+
+_WRITE_PARTIALS = """
+    // Merge the warps through shared [WARPS][REP][D + 2] (reusing the staging bytes):
+    // lanes 0..LPT-1 hold the warp's acc (8 columns each), store_ml writes its m and l.
+    __syncthreads();
+    float* sh = reinterpret_cast<float*>(smem);
     if (lane < LPT) {
         #pragma unroll
         for (int r = 0; r < REP; ++r) {
             float* row = sh + (warp * REP + r) * (D + 2);
             #pragma unroll
-            for (int i = 0; i < 8; ++i) row[col + i] = acc[r][i];
-            if (lane == 0) { row[D] = m[r]; row[D + 1] = l[r]; }
+            for (int i = 0; i < 8; ++i) row[(lane % LPT) * 8 + i] = acc[r][i];
         }
     }
+    store_ml(sh);
     __syncthreads();
+    // the block's partials: per query head, acc[D] and (m, l) of its split
     for (int idx = threadIdx.x; idx < REP * D; idx += WARPS * 32) {
         const int r = idx / D, d = idx % D;
         float mm = -INFINITY;
@@ -228,7 +498,41 @@ _PASS2 = """
     }
 """
 
-_KERNELS: dict[str, object] = {}
+@attrs.frozen
+class Pipeline:
+    """How pass 1 walks a split.
+
+    ``warps`` per block; ``stages`` iterations of K/V in flight per warp (``stages - 1``
+    prefetched by cp.async); ``tensor_cores``: scores of the GQA group by m16n8k16 MMA
+    (8 tokens per warp iteration; needs REP <= 16, else the CUDA-core path runs), or on
+    the CUDA cores with ``groups`` token groups per warp iteration.
+    """
+
+    warps: int = attrs.field(default=4, validator=attrs.validators.in_((1, 2, 4, 8)))
+    groups: int = attrs.field(default=4, validator=attrs.validators.in_((1, 2, 4, 8)))
+    stages: int = attrs.field(default=2, validator=attrs.validators.in_((2, 3, 4)))
+    tensor_cores: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+
+    def uses_tensor_cores(self, rep: int) -> bool:
+        return self.tensor_cores and rep <= 16
+
+    def shared_bytes(self, d: int, rep: int, pages_per_split: int) -> int:
+        """Dynamic shared memory of one pass-1 block: staging (plus, with tensor cores,
+        the per-warp hand-over of p) plus page ids, or the warps' partials for the final
+        merge, whichever is larger (they reuse the bytes)."""
+        if self.uses_tensor_cores(rep):
+            staging = self.warps * self.stages * 8 * d * 2 * 2 + self.warps * 2 * rep * 9 * 4
+        else:
+            staging = self.warps * self.stages * self.groups * 2 * 32 * 16
+        return max(staging + 4 * pages_per_split, self.warps * rep * (d + 2) * 4)
+
+
+DEFAULT_PIPELINE = Pipeline()
+MAX_PAGES_PER_SPLIT = 2048   # page ids a block keeps in shared memory (8 KiB)
+MAX_SHARED_BYTES = 232448    # dynamic shared memory one block may use on sm_80/sm_90 (227 KiB)
+
+_KERNELS: dict[tuple[str, int], object] = {}
+_SCALES: dict[float, mx.array] = {}
 
 
 def available() -> bool:
@@ -248,40 +552,68 @@ def usable(q: mx.array, mask, pool) -> bool:
         and isinstance(pool.k_codec, FullPrecision) and isinstance(pool.v_codec, FullPrecision)
         and pool.dtype in (mx.float16, mx.bfloat16) and q.dtype == pool.dtype
         and pool.head_dim == pool.v_head_dim and pool.head_dim in (64, 128, 256)
+        and q.shape[1] % pool.num_kv_heads == 0
+        and DEFAULT_PIPELINE.shared_bytes(pool.head_dim, q.shape[1] // pool.num_kv_heads,
+                                          MAX_PAGES_PER_SPLIT) <= MAX_SHARED_BYTES
     )
 
 
-def _kernel(name: str):
-    k = _KERNELS.get(name)
+def _kernel(name: str, shared_bytes: int = 0):
+    """One kernel object per (kernel, dynamic shared size); MLX compiles and caches a
+    module per template arguments."""
+    k = _KERNELS.get((name, shared_bytes))
     if k is None:
-        if name == "pass1":
+        if name in ("mma", "fma"):
+            body = _PASS1_MMA if name == "mma" else _PASS1_FMA
             k = mx.fast.cuda_kernel(
-                name="pagedkv_decode_pass1",
+                name=f"pagedkv_decode_{name}",
                 input_names=["queries", "kpool", "vpool", "table", "lengths", "starts", "scale"],
-                output_names=["part_acc", "part_ml"], source=_PASS1, header=_HEADER,
+                output_names=["part_acc", "part_ml"], source=_BLOCK + body + _WRITE_PARTIALS, header=_HEADER,
+                shared_memory=shared_bytes,
             )
         else:
             k = mx.fast.cuda_kernel(
-                name="pagedkv_decode_pass2", input_names=["part_acc", "part_ml"],
+                name="pagedkv_decode_merge", input_names=["part_acc", "part_ml"],
                 output_names=["out"], source=_PASS2, header=_HEADER,
             )
-        _KERNELS[name] = k
+        _KERNELS[(name, shared_bytes)] = k
     return k
 
 
+def _scale_array(scale: float) -> mx.array:
+    """The softmax scale as a one-element device array, made once per value."""
+    a = _SCALES.get(scale)
+    if a is None:
+        a = _SCALES[scale] = mx.array([scale], dtype=mx.float32)
+    return a
+
+
 def choose_splits(batch: int, kv_heads: int, width_pages: int, sms: int = 132) -> int:
-    """Splits per (row, KV head) so that the grid fills the GPU about four times over."""
-    want = math.ceil(4 * sms / max(1, batch * kv_heads))
-    return max(1, min(want, width_pages))
+    """Splits per (row, KV head), as bench/gpu_kernel_tuning.py measured best on an H200:
+
+    - when the batch fills the GPU that way (at least 4 blocks per SM), blocks of at
+      least 64 pages and about 16 blocks per SM in all (several waves, so the scheduler
+      evens out the SMs; long blocks keep per-block costs and the partials small);
+    - else about 8 blocks per SM of at least 8 pages each (small batches, short rows);
+    - always enough splits that a block's page ids fit in shared memory
+      (MAX_PAGES_PER_SPLIT).
+    """
+    pairs = max(1, batch * kv_heads)
+    s = min(round(16 * sms / pairs), width_pages // 64)
+    if pairs * s < 4 * sms:
+        s = min(round(8 * sms / pairs), width_pages // 8)
+    return max(1, s, -(-width_pages // MAX_PAGES_PER_SPLIT))
 
 
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
                  starts: mx.array, scale: float, *, num_pages: int, page_size: int,
-                 splits: int | None = None, poison: bool = False) -> mx.array:
+                 splits: int | None = None, pipeline: Pipeline = DEFAULT_PIPELINE,
+                 poison: bool = False) -> mx.array:
     """Attention of ``q`` [B, Hq, 1, D] over paged K/V; returns [B, Hq, 1, D].
 
     ``k_pool``/``v_pool``: one layer's pool arrays [kv_heads * num_pages, page_size, D];
     ``table``: int32 [B, W] page ids; ``lengths``/``starts``: int32 [B] visible token range.
+    ``splits`` (default: ``choose_splits``) cuts each row's pages into that many blocks.
     ``poison`` fills the outputs with NaN before the kernels run (tests: every element
     must be written).
     """
@@ -293,20 +625,28 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
     if hq % hkv or d not in (64, 128, 256) or k_pool.dtype not in (mx.float16, mx.bfloat16):
         raise ValueError(f"unsupported shape/dtype: Hq={hq}, Hkv={hkv}, D={d}, {k_pool.dtype}")
     w = table.shape[1]
-    s = splits or choose_splits(b, hkv, w)
+    s = max(splits or choose_splits(b, hkv, w), -(-w // MAX_PAGES_PER_SPLIT))
     pps = -(-w // s)
     s = -(-w // pps)
     rep = hq // hkv
+    warps = pipeline.warps
+    mma = pipeline.uses_tensor_cores(rep)
     template = [("T", q.dtype), ("D", d), ("PS", page_size), ("P", num_pages), ("W", w), ("S", s),
-                ("PPS", pps), ("HKV", hkv), ("REP", rep), ("WARPS", WARPS)]
-    part_acc, part_ml = _kernel("pass1")(
+                ("PPS", pps), ("HKV", hkv), ("REP", rep), ("WARPS", warps), ("STAGES", pipeline.stages)]
+    if not mma:
+        template.append(("U", pipeline.groups))
+    shared = pipeline.shared_bytes(d, rep, pps)
+    if shared > MAX_SHARED_BYTES:
+        raise ValueError(f"{pipeline} needs {shared} bytes of shared memory per block at D={d}, "
+                         f"REP={rep}; a block may use {MAX_SHARED_BYTES}")
+    part_acc, part_ml = _kernel("mma" if mma else "fma", shared)(
         inputs=[q.reshape(b * hq, d), k_pool, v_pool, table, lengths, starts,
-                mx.array([scale], dtype=mx.float32)],
-        template=template, grid=(b * hkv * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
+                _scale_array(scale)],
+        template=template, grid=(b * hkv * s * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(b * hq * s * d,), (b * hq * s * 2,)], output_dtypes=[mx.float32, mx.float32],
         **init,
     )
-    (out,) = _kernel("pass2")(
+    (out,) = _kernel("merge")(
         inputs=[part_acc, part_ml], template=[("T", q.dtype), ("D", d), ("S", s)],
         grid=(b * hq * min(d, 128), 1, 1), threadgroup=(min(d, 128), 1, 1),
         output_shapes=[(b * hq * d,)], output_dtypes=[q.dtype], **init,
