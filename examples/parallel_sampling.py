@@ -10,9 +10,9 @@ import argparse
 
 import mlx.core as mx
 
-from pagedkv import PagePool, make_paged_cache
+from pagedkv import make_paged_cache
 from pagedkv.gguf_model import load_smollm2
-from pagedkv.pool_factory import kv_dtype
+from pagedkv.pool_factory import pool_for
 
 ap = argparse.ArgumentParser()
 ap.add_argument("prompt", nargs="?", default="Write one sentence about the sea.")
@@ -23,8 +23,7 @@ ap.add_argument("--seed", type=int, default=0)
 args = ap.parse_args()
 
 lm = load_smollm2(install=True)
-pool = PagePool(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                page_size=16, num_pages=256, dtype=kv_dtype(lm.model))
+pool = pool_for(lm, page_size=16, tokens=4096)
 mx.random.seed(args.seed)
 
 prompt = lm.chat_prompt(args.prompt)

