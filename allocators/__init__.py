@@ -8,6 +8,8 @@
 from allocators.errors import (
     AllocatorError,
     InvalidArgument,
+    InvalidArgumentType,
+    InvalidArgumentValue,
     InvalidPage,
     InvariantViolation,
     PoolExhausted,
@@ -24,6 +26,8 @@ __all__ = [
     "BlockAllocator",
     "FreeListAllocator",
     "InvalidArgument",
+    "InvalidArgumentType",
+    "InvalidArgumentValue",
     "InvalidPage",
     "InvariantViolation",
     "NULL_PAGE",

@@ -1,8 +1,9 @@
 """Typed errors of the allocators package.
 
 Every error leaves the allocator exactly as it was before the call that raised it.
-Each error also subclasses the closest built-in (``ValueError``, ``TypeError``,
-``MemoryError``) so callers that only know the built-ins still catch it.
+Each error also subclasses the closest built-in so callers that only know the built-ins
+still catch it: a bad value is a ``ValueError``, a bad type a ``TypeError``, a full pool
+a ``MemoryError``.
 """
 
 from __future__ import annotations
@@ -33,8 +34,16 @@ class RefCountError(AllocatorError, ValueError):
     """A reference count would become invalid: double free, incref of a free page, ..."""
 
 
-class InvalidArgument(AllocatorError, TypeError):
-    """An argument of the wrong type or value (non-integer ids, negative counts, ...)."""
+class InvalidArgument(AllocatorError):
+    """An argument the allocator cannot take; always one of the two subclasses below."""
+
+
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An argument of the wrong type: non-integer page ids or counts, a 2-d id array, ..."""
+
+
+class InvalidArgumentValue(InvalidArgument, ValueError):
+    """An integer argument out of its range: a negative count, too few pages, ..."""
 
 
 class InvariantViolation(AllocatorError, AssertionError):

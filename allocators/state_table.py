@@ -34,7 +34,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from allocators.errors import (
-    InvalidArgument,
+    InvalidArgumentType,
+    InvalidArgumentValue,
     InvalidPage,
     InvariantViolation,
     PoolExhausted,
@@ -55,9 +56,9 @@ DEBUG_ENV = "PAGEDKV_CHECK_INVARIANTS"
 
 def _require_count(n: object, what: str = "n") -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
-        raise InvalidArgument(f"{what} must be an int, got {type(n).__name__}")
+        raise InvalidArgumentType(f"{what} must be an int, got {type(n).__name__}")
     if n < 0:
-        raise InvalidArgument(f"{what} must be >= 0, got {n}")
+        raise InvalidArgumentValue(f"{what} must be >= 0, got {n}")
     return int(n)
 
 
@@ -79,7 +80,7 @@ class RefCountingAllocator:
     ) -> None:
         num_pages = _require_count(num_pages, "num_pages")
         if num_pages < (2 if null_page else 1):
-            raise InvalidArgument(f"num_pages must leave at least one usable page, got {num_pages}")
+            raise InvalidArgumentValue(f"num_pages must leave at least one usable page, got {num_pages}")
         self._n = num_pages
         self._null_page = bool(null_page)
         self._state = np.zeros(num_pages, dtype=np.int8)
@@ -132,15 +133,15 @@ class RefCountingAllocator:
         elif isinstance(ids, (list, tuple, range)):
             arr = np.asarray(ids)
         else:
-            raise InvalidArgument(
+            raise InvalidArgumentType(
                 f"page ids must be a list, tuple, range or numpy array, got {type(ids).__name__}"
             )
         if arr.ndim != 1:
-            raise InvalidArgument(f"page ids must be 1-d, got shape {arr.shape}")
+            raise InvalidArgumentType(f"page ids must be 1-d, got shape {arr.shape}")
         if arr.size == 0:
             return arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
-            raise InvalidArgument(f"page ids must be integers, got dtype {arr.dtype}")
+            raise InvalidArgumentType(f"page ids must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False)
         # One pass: negatives wrap to huge values as uint64.
         if arr.view(np.uint64).max() >= self._n:
@@ -148,9 +149,16 @@ class RefCountingAllocator:
             raise InvalidPage(f"page id {bad} out of range [0, {self._n})")
         return arr
 
+    def checked_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """``ids`` validated (integers, 1-d, in range) as a new int64 array; no state
+        change. Raises ``InvalidArgumentType`` / ``InvalidPage``."""
+        return self._ids(ids).copy()
+
     def _has_duplicates(self, a: np.ndarray) -> bool:
         if a.size < 2:
             return False
+        if a.size > self._n:  # more ids than pages: some id repeats (and no scratch fits)
+            return True
         pos = self._positions[: a.size]
         self._scratch[a] = pos
         return not np.array_equal(self._scratch[a], pos)
@@ -288,9 +296,6 @@ class RefCountingAllocator:
         if self._debug:
             self.check()
 
-    free = decref
-    """Alias: releasing the only owner's reference frees the page."""
-
     def touch(self, ids: Sequence[int] | np.ndarray) -> None:
         """Take a reference on pages that are IN_USE or CACHED (a prefix-cache hit).
 
@@ -337,7 +342,7 @@ class RefCountingAllocator:
     def _page(self, page: int) -> int:
         """Validate one page id (a Python or numpy int) without building an array."""
         if isinstance(page, bool) or not isinstance(page, (int, np.integer)):
-            raise InvalidArgument(f"a page id must be an int, got {type(page).__name__}")
+            raise InvalidArgumentType(f"a page id must be an int, got {type(page).__name__}")
         if not 0 <= page < self._n:
             raise InvalidPage(f"page id {page} out of range [0, {self._n})")
         return int(page)

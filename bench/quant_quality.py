@@ -37,19 +37,28 @@ def corpus() -> str:
 
 
 def schemes(d: int) -> dict:
+    """Every quantised scheme stores fp16 scales (the compact choice; pools default to the
+    model's dtype, here float32), so the bytes column is that of fp16 scales."""
     g = 64
+
+    def A(bits, group):
+        return AffineQuant(bits, group, scale_dtype=mx.float16)
+
+    def R(bits, dim, group, seed):
+        return rotated(bits, dim, group, seed=seed, scale_dtype=mx.float16)
+
     return {
         "fp32 (reference)": (FullPrecision(mx.float32), FullPrecision(mx.float32)),
         "fp16": (FullPrecision(mx.float16), FullPrecision(mx.float16)),
-        "k8v8": (AffineQuant(8, g), AffineQuant(8, g)),
-        "k8v4 (V g64)": (AffineQuant(8, g), AffineQuant(4, g)),
-        "k8v4": (AffineQuant(8, g), AffineQuant(4, 32)),
-        "TQ k8v4": (AffineQuant(8, g), rotated(4, d, g, seed=2)),
-        "k4v4": (AffineQuant(4, g), AffineQuant(4, g)),
-        "k4v4 rotK+V": (rotated(4, d, g, seed=1), rotated(4, d, g, seed=2)),
-        "k4v4 rotK+V g32": (rotated(4, d, 32, seed=1), rotated(4, d, 32, seed=2)),
-        "TQ k8v3": (AffineQuant(8, g), rotated(3, d, g, seed=2)),
-        "TQ k4v3": (AffineQuant(4, g), rotated(3, d, g, seed=2)),
+        "k8v8": (A(8, g), A(8, g)),
+        "k8v4 (V g64)": (A(8, g), A(4, g)),
+        "k8v4": (A(8, g), A(4, 32)),
+        "TQ k8v4": (A(8, g), R(4, d, g, seed=2)),
+        "k4v4": (A(4, g), A(4, g)),
+        "k4v4 rotK+V": (R(4, d, g, seed=1), R(4, d, g, seed=2)),
+        "k4v4 rotK+V g32": (R(4, d, 32, seed=1), R(4, d, 32, seed=2)),
+        "TQ k8v3": (A(8, g), R(3, d, g, seed=2)),
+        "TQ k4v3": (A(4, g), R(3, d, g, seed=2)),
         "TQ k4v3 rotK": (rotated(4, d, g, seed=1), rotated(3, d, g, seed=2)),
     }
 

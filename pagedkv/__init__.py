@@ -16,17 +16,21 @@ from pagedkv.codec import AffineQuant, FullPrecision, RotatedAffineQuant, rotate
 from pagedkv.donor_cache import DonorCache, donor_caches
 from pagedkv.drafter import DrafterKv
 from pagedkv.errors import (
+    InvalidTypeError,
+    InvalidValueError,
     KvDTypeError,
     KvLeakError,
     KvShapeError,
     NotSupportedError,
     PagedKvError,
     ReleasedError,
+    TrimError,
 )
 from pagedkv.forward_pass import ForwardPass
 from pagedkv.pool import PagePool, raise_cache_limit
 from pagedkv.prefix import PrefixCache, PrefixStats
 from pagedkv.scheduling import can_admit, pages_for, preempt
+from pagedkv.sequence import PagedSequence
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.sharing_plan import KvSharingPlan
 from pagedkv.table import PageTable
@@ -56,6 +60,8 @@ __all__ = [
     "SharedKv",
     "ViewKv",
     "donor_caches",
+    "InvalidTypeError",
+    "InvalidValueError",
     "KvDTypeError",
     "KvShapeError",
     "NotSupportedError",
@@ -66,6 +72,8 @@ __all__ = [
     "PagedPromptCache",
     "PoolExhausted",
     "ReleasedError",
+    "TrimError",
+    "PagedSequence",
     "make_paged_cache",
     "raise_cache_limit",
 ]

@@ -29,13 +29,17 @@ import numpy as np
 from pagedkv.attention import decode_kv
 from pagedkv.cache import PagedKVCache, PagedPromptCache, cache_class_for
 from pagedkv.errors import (
+    InvalidTypeError,
+    InvalidValueError,
     KvDTypeError,
     KvShapeError,
     NotSupportedError,
     PoolExhausted,
     ReleasedError,
+    check_int,
 )
 from pagedkv.pool import PagePool
+from pagedkv.sequence import PagedSequence
 from pagedkv.shared import ViewKv
 from pagedkv.table import PageTable
 from pagedkv.view import KvAttentionView
@@ -43,6 +47,9 @@ from pagedkv.view import KvAttentionView
 
 class PagedBatch:
     def __init__(self, pool: PagePool, num_layers: int) -> None:
+        if not isinstance(pool, PagePool):
+            raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
+        num_layers = check_int("num_layers", num_layers, minimum=1, maximum=pool.num_layers)
         if cache_class_for(pool) is not PagedKVCache:
             raise NotSupportedError("the batched cache stores full-precision or rotated/mixed pages; "
                                     "affine pages with mlx-lm's quantised path are single-sequence only")
@@ -76,6 +83,10 @@ class PagedBatch:
         if self._released:
             raise ReleasedError("batch used after release()")
 
+    def _row(self, row: object) -> int:
+        return check_int("row", row, minimum=0, maximum=len(self.rows) - 1) if self.rows else \
+            _no_rows(f"row {row!r}")
+
     # ------------------------------------------------------------------ rows join / leave
     def extend(self, prompt_cache: PagedPromptCache) -> int:
         """Adopt a one-sequence paged cache as a new row (no K/V is copied); returns its row.
@@ -84,29 +95,34 @@ class PagedBatch:
         with every layer at the same length; it is emptied (the batch owns the table now).
         """
         self._check()
+        if not isinstance(prompt_cache, PagedPromptCache):
+            raise InvalidTypeError(f"extend takes a PagedPromptCache, got {type(prompt_cache).__name__}")
+        prompt_cache.sequence.check_alive()  # released, or already moved into a batch
         if len(prompt_cache.tables) != 1 or prompt_cache.tables[0].window is not None:
-            raise NotSupportedError("rows must be full-attention one-table caches")
+            raise NotSupportedError("rows must be full-attention one-table caches (no sliding-window layers)")
         table = prompt_cache.tables[0]
-        if table.pool is not self.pool or table.released:
-            raise ValueError("the row must be a live cache of this batch's pool")
+        if table.pool is not self.pool:
+            raise InvalidValueError("the row's pages are in another pool than the batch's")
         offsets = [c.offset for c in prompt_cache]
         if len(offsets) != len(self.caches) or len(set(offsets)) != 1 or offsets[0] != table.num_tokens:
-            raise ValueError(f"every layer must hold the same {table.num_tokens} tokens, got {offsets}")
+            raise InvalidValueError(f"every one of the batch's {len(self.caches)} layers must hold the same "
+                                    f"{table.num_tokens} tokens, got {offsets}")
+        prompt_cache.sequence.move_out("moved into a batch by PagedBatch.extend")
+        prompt_cache.clear()
         self.rows.append(table)
         self._offsets = np.concatenate([self._offsets, np.full((len(self.caches), 1), table.num_tokens)], axis=1)
-        prompt_cache.tables = []  # moved: releasing the prompt cache no longer touches the table
-        prompt_cache.clear()
         self._changed()
         return len(self.rows) - 1
 
     def extract(self, row: int) -> PagedPromptCache:
         """Move row ``row`` out as a one-sequence cache (no copy); the other rows stay."""
         self._check()
+        row = self._row(row)
         table = self.rows.pop(row)
         offsets = self._offsets[:, row]
         self._offsets = np.delete(self._offsets, row, axis=1)
         self._changed()
-        table.members = []
+        PagedSequence([table])
         caches = []
         for layer, off in enumerate(offsets.tolist()):
             c = PagedKVCache(table, layer)
@@ -117,8 +133,11 @@ class PagedBatch:
     def filter(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (in that order) and release every other row's pages."""
         self._check()
+        if not isinstance(keep, (list, tuple, range)):
+            raise InvalidTypeError(f"keep must be a list of row indices, got {type(keep).__name__}")
+        keep = [check_int("row", i) for i in keep]
         if len(set(keep)) != len(keep) or any(not 0 <= i < len(self.rows) for i in keep):
-            raise IndexError(f"bad row indices {keep} for a batch of {len(self.rows)}")
+            raise InvalidValueError(f"bad row indices {keep} for a batch of {len(self.rows)} rows")
         for i, table in enumerate(self.rows):
             if i not in keep:
                 table.release()
@@ -208,6 +227,8 @@ class PagedBatchKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         batch = self.batch
         batch._check()
+        if not batch.rows:
+            _no_rows("a step")
         pool = batch.pool
         if not isinstance(keys, mx.array) or not isinstance(values, mx.array) or keys.ndim != 4 or values.ndim != 4:
             raise KvShapeError("keys and values must be [B, kv_heads, T, D] mx.arrays")
@@ -230,6 +251,9 @@ class PagedBatchKVCache:
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """Bool [B, 1, N, W]: row b's query i (at position len_b + i) sees keys
         j <= len_b + i (and, with a window, j > len_b + i - window)."""
+        self.batch._check()
+        if not self.batch.rows:
+            _no_rows("a mask")
         ps = self.batch.pool.page_size
         lengths = self.batch._offsets[self.layer]
         width = max(-(-(int(n) + N) // ps) for n in lengths) * ps
@@ -243,9 +267,12 @@ class PagedBatchKVCache:
     def fetch_shared(self) -> ViewKv:
         """This step's K/V of every row as a ViewKv, with ``offset_arr`` = the rows'
         pre-write positions (an owned copy). The caller releases it."""
-        if self._step_offsets is None:
-            raise KvShapeError("no step has been written yet")
         batch = self.batch
+        batch._check()
+        if self._step_offsets is None or not batch.rows:
+            raise KvShapeError("no step has been written yet")
+        if self._step_offsets.shape[0] != batch.size:
+            raise KvShapeError("rows joined or left since this layer's last step; run a step first")
         view = KvAttentionView(batch.pool, self.layer, batch.rows,
                                [int(x) for x in batch._offsets[self.layer]], [0] * batch.size)
         return ViewKv(view, offset=int(np.min(np.asarray(self._step_offsets))), offset_arr=self._step_offsets)
@@ -259,3 +286,7 @@ class PagedBatchKVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.num_pages for t in self.batch.rows) * self.batch.pool.bytes_per_page_per_layer
+
+
+def _no_rows(what: str):
+    raise KvShapeError(f"{what} needs rows, but the batch has none (add rows with extend)")

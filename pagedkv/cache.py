@@ -28,31 +28,52 @@ import mlx.core as mx
 
 from pagedkv.attention import decode_kv, is_plain
 from pagedkv.codec import AffineQuant
-from pagedkv.errors import KvDTypeError, KvShapeError, NotSupportedError, ReleasedError
+from pagedkv.errors import (
+    InvalidTypeError,
+    InvalidValueError,
+    KvDTypeError,
+    KvShapeError,
+    NotSupportedError,
+    PoolExhausted,
+    ReleasedError,
+    check_int,
+)
 from pagedkv.mask import attention_mask
 from pagedkv.pool import PagePool
+from pagedkv.sequence import PagedSequence
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.table import PageTable
 from pagedkv.view import KvAttentionView
 
 
 class PagedKVCache:
-    """One layer of one sequence: (pool layer, shared page table, own offset)."""
+    """One layer of one sequence: (pool layer, the sequence's table for this layer's
+    attention kind, own offset). Its ``PagedSequence`` coordinates the layers' steps."""
 
     def __init__(self, table: PageTable, layer: int) -> None:
-        if not (0 <= layer < table.pool.num_layers):
-            raise IndexError(f"layer {layer} out of range [0, {table.pool.num_layers})")
+        if not isinstance(table, PageTable):
+            raise InvalidTypeError(f"table must be a PageTable, got {type(table).__name__}")
+        layer = check_int("layer", layer, minimum=0, maximum=table.pool.num_layers - 1)
+        if table.released:
+            raise ReleasedError("cannot build a cache on a released page table")
         self.table = table
         self.pool = table.pool
         self.layer = layer
         self.offset = 0
         self._last_start = 0  # first key position returned by the last fetch
         self._step_start = 0  # offset before the last write (the step's RoPE start)
-        table.members.append(self)
+        self.sequence = table.sequence if table.sequence is not None else PagedSequence([table])
+        self.sequence.caches.append(self)
 
     @property
     def window(self) -> int | None:
         return self.table.window
+
+    def save_position(self) -> tuple[int, int, int]:
+        return self.offset, self._last_start, self._step_start
+
+    def restore_position(self, position: tuple[int, int, int]) -> None:
+        self.offset, self._last_start, self._step_start = position
 
     # ------------------------------------------------------------------ protocol
     def _validate(self, keys: Any, values: Any) -> None:
@@ -76,28 +97,31 @@ class PagedKVCache:
         if keys.shape[2] != values.shape[2]:
             raise KvShapeError(f"keys have {keys.shape[2]} tokens, values {values.shape[2]}")
 
+    def _check_alive(self) -> None:
+        self.sequence.check_alive()
+
     def write(self, keys: mx.array, values: mx.array) -> int:
         """Append [1, kv_heads, T, D] keys/values; returns the pre-write offset.
 
-        Validates everything before changing anything; reserving pages is atomic.
+        Validates everything before changing anything; the first layer of a step
+        reserves pages for every layer of the sequence at once, and a failing later
+        layer rolls the step back (``PagedSequence``).
         """
-        if self.table.released:
-            raise ReleasedError("cache used after its pages were released")
-        self._validate(keys, values)
-        start, count = self.offset, keys.shape[2]
-        table = self.table
-        if start != table.num_tokens and start + count > table.num_tokens:
-            raise KvShapeError(
-                f"layer {self.layer} is at {start} but its table at {table.num_tokens}: "
-                "layers of one sequence must advance together"
-            )
-        if start + count > table.num_tokens:
-            table.reserve(start + count - table.num_tokens)  # atomic
-        rows, slots = table.write_index(start, count)
-        self.pool.write(self.layer, rows, slots, keys[0], values[0])
-        self.offset = start + count
+        self._check_alive()
+        sequence = self.sequence
+        start = self.offset
+        try:
+            self._validate(keys, values)
+            sequence.prepare(self, start, keys.shape[2])
+            rows, slots = self.table.write_index(start, keys.shape[2])
+            self.pool.write(self.layer, rows, slots, keys[0], values[0])
+        except BaseException:
+            sequence.rollback_step()
+            raise
+        self.offset = start + keys.shape[2]
         self._last_start = self.visible_start(start)
         self._step_start = start
+        sequence.finished_write()
         return start
 
     def visible_start(self, first_query: int) -> int:
@@ -135,6 +159,9 @@ class PagedKVCache:
         rotated, with ``v_rotated=True`` and ``restore_values`` captured now.
         ``quant``: the packed (packed, scales, biases) triples; affine pages only.
         """
+        if kind not in ("view", "plain", "quant"):
+            raise InvalidValueError(f"kind must be 'view', 'plain' or 'quant', got {kind!r}")
+        self._check_alive()
         lo, hi = self._last_start, self.offset
         if hi == 0:
             raise KvShapeError("cache is empty")
@@ -148,24 +175,22 @@ class PagedKVCache:
                 return PlainKv(k, v, offset=self._step_start, restore_values=pool.v_codec.unrotate,
                                v_rotated=True)
             return PlainKv(k, v, offset=self._step_start)
-        if kind == "quant":
-            kc, vc = pool.k_codec, pool.v_codec
-            if not (isinstance(kc, AffineQuant) and isinstance(vc, AffineQuant)) or kc.rotated or vc.rotated:
-                raise NotSupportedError("quant SharedKv needs affine-quantised, unrotated K and V pages")
-            return QuantKv(k_parts, v_parts, bits=kc.bits, group_size=kc.group_size, offset=self._step_start,
-                           v_bits=vc.bits, v_group_size=vc.group_size)
-        raise ValueError(f"kind must be 'view', 'plain' or 'quant', got {kind!r}")
+        kc, vc = pool.k_codec, pool.v_codec
+        if not (isinstance(kc, AffineQuant) and isinstance(vc, AffineQuant)) or kc.rotated or vc.rotated:
+            raise NotSupportedError("quant SharedKv needs affine-quantised, unrotated K and V pages")
+        return QuantKv(k_parts, v_parts, bits=kc.bits, group_size=kc.group_size, offset=self._step_start,
+                       v_bits=vc.bits, v_group_size=vc.group_size)
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         """What the last ``update_and_fetch`` returned (KV-sharing layers read this)."""
-        if self.table.released:
-            raise ReleasedError("cache used after its pages were released")
+        self._check_alive()
         if self.offset == 0:
             raise KvShapeError("cache is empty")
         return self._fetch(self._last_start, self.offset)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The mask matching the keys the next ``update_and_fetch(N tokens)`` returns."""
+        self._check_alive()
         if self.window is None:
             return attention_mask(N, self.offset, return_array, window_size)
         lo = max(0, self.offset - self.window + 1)
@@ -189,27 +214,38 @@ class PagedKVCache:
         return self.table.num_pages * self.pool.bytes_per_page_per_layer
 
     def is_trimmable(self) -> bool:
-        return self.window is None or self.offset < self.window
+        """True when at least one token can be trimmed (always without a window; with
+        one, while a query at the shortened end would still find its window held)."""
+        return self.offset == 0 or self.max_trim() > 0
+
+    def max_trim(self) -> int:
+        """The most tokens ``trim`` accepts now."""
+        return self.table.max_rewind(self.offset)
 
     def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens of this layer; returns the count trimmed.
-
-        Once every layer sharing the table has trimmed, the table frees the tail pages.
+        """Forget the last ``n`` tokens of this layer (at most ``offset``); returns the
+        count trimmed. Once every layer sharing the table has trimmed, the table frees the
+        tail pages. Raises ``TrimError`` and changes nothing if a sliding window already
+        dropped keys a query at the new end would need (see ``max_trim``).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        n = min(self.offset, n)
+        self._check_alive()
+        n = min(self.offset, check_int("n", n, minimum=0))
+        if n == 0:
+            return 0
+        self.table.check_rewind(self.offset - n)
         self.offset -= n
         self._last_start = min(self._last_start, self.offset)
-        target = max(c.offset for c in self.table.members)
-        if target < self.table.num_tokens:
-            self.table.trim(self.table.num_tokens - target)
+        self._step_start = min(self._step_start, self.offset)
+        self.sequence.trim_tables()
         return n
 
     @property
     def state(self) -> tuple[mx.array, mx.array]:
         """Owned contiguous float copies of this layer's K/V, [1, kv_heads, offset, D]
         (decoded from quantised pages; setting them re-encodes)."""
+        self._check_alive()
+        if self.offset == 0:
+            raise KvShapeError("cache is empty")
         k, v = PagedKVCache._fetch(self, self.table.first_visible(), self.offset)
         mx.eval(k, v)
         return k, v
@@ -221,11 +257,12 @@ class PagedKVCache:
         The other layers of the sequence must be empty or hold exactly L tokens, and the
         sequence's pages must not be shared (a fork or a view would see the overwrite).
         """
+        self._check_alive()
         keys, values = kv[0], kv[1]
         self._validate(keys, values)
         length = keys.shape[2]
         table = self.table
-        others = max((c.offset for c in table.members if c is not self), default=0)
+        others = max((c.offset for c in self.sequence.members(table) if c is not self), default=0)
         if others and others != length:
             raise NotSupportedError(
                 f"the sequence's other layers hold {others} tokens; a state of {length} does not fit"
@@ -233,6 +270,14 @@ class PagedKVCache:
         held = table.pages[table.first_visible() // self.pool.page_size :]
         if any(self.pool.allocator.refcount(int(p)) > 1 for p in held):
             raise NotSupportedError("cannot overwrite pages shared with a fork or a view")
+        table.check_rewind(0)
+        available = self.pool.allocator.num_available()
+        if others:  # the table keeps its pages; this layer rewrites [0, length)
+            need = table.pages_needed(length, start=0)
+        else:  # the table empties first, so its (unshared) pages become available
+            need, available = -(-length // self.pool.page_size), available + table.num_pages
+        if need > available:
+            raise PoolExhausted(need, available)
         self.trim(self.offset)
         self.write(keys, values)
 
@@ -285,37 +330,40 @@ def cache_class_for(pool: PagePool) -> type[PagedKVCache]:
 
 
 class PagedPromptCache(list):
-    """The per-layer caches of one sequence (a list, as mlx-lm expects) plus their tables.
-
-    Owns the tables: ``release()`` (or leaving a ``with`` block) returns every page.
-    """
+    """The per-layer caches of one sequence (a list, as mlx-lm expects) and their
+    ``PagedSequence``, which owns the tables: ``release()`` (or leaving a ``with`` block)
+    returns every page."""
 
     def __init__(self, caches: list[PagedKVCache]) -> None:
         super().__init__(caches)
-        self.tables: list[PageTable] = list({id(c.table): c.table for c in caches}.values())
+        sequences = {id(c.sequence): c.sequence for c in caches}
+        if len(sequences) != 1:
+            raise InvalidValueError("a prompt cache holds the layers of exactly one sequence")
+        self.sequence: PagedSequence = next(iter(sequences.values()))
+
+    @property
+    def tables(self) -> list[PageTable]:
+        return self.sequence.tables
 
     def fork(self) -> PagedPromptCache:
         """A second sequence sharing all pages so far (copy-on-write on the next write)."""
+        self.sequence.check_alive()
         new_tables = {id(t): t.fork() for t in self.tables}
+        PagedSequence(list(new_tables.values()))
         out = []
         for c in self:
             nc = type(c)(new_tables[id(c.table)], c.layer)
-            nc.offset, nc._last_start, nc._step_start = c.offset, c._last_start, c._step_start
+            nc.restore_position(c.save_position())
             out.append(nc)
         return PagedPromptCache(out)
 
     @property
     def released(self) -> bool:
-        return all(t.released for t in self.tables)
+        return self.sequence.released
 
     def release(self) -> None:
         """Give back every page of this sequence; a second call raises ``ReleasedError``."""
-        if not self.tables:
-            raise ReleasedError("this cache's pages were moved into a batch (PagedBatch.extend)")
-        if self.released:
-            raise ReleasedError("prompt cache released twice")
-        for t in self.tables:
-            t.release()
+        self.sequence.release()
 
     @property
     def num_tokens(self) -> int:
@@ -385,6 +433,8 @@ def make_paged_cache(
                 sliding_tables[key] = PageTable(target, window=w)
             table = sliding_tables[key]
         if layer >= target.num_layers:
-            raise ValueError(f"pool has {target.num_layers} layers; the model needs more")
-        caches.append(cache_class_for(target)(table, layer))
-    return PagedPromptCache(caches)
+            raise InvalidValueError(f"pool has {target.num_layers} layers; the model needs more")
+        caches.append((table, layer, target))
+    tables = ([full_table] if full_table is not None else []) + list(sliding_tables.values())
+    PagedSequence(tables)
+    return PagedPromptCache([cache_class_for(target)(table, layer) for table, layer, target in caches])

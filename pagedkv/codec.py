@@ -42,6 +42,10 @@ class FullPrecision:
     def component_dims(self, dim: int) -> list[tuple[int, mx.Dtype]]:
         return [(dim, self.dtype)]
 
+    def for_dtype(self, dtype: mx.Dtype) -> FullPrecision:
+        """This codec for a pool of ``dtype`` K/V (its own dtype is kept)."""
+        return self
+
     def encode(self, x: mx.array) -> tuple[mx.array, ...]:
         return (x.astype(self.dtype),)
 
@@ -69,14 +73,27 @@ def _group(instance, attribute, value) -> None:
         raise NotSupportedError(f"group_size must be one of {GROUP_SIZES}, got {value!r}")
 
 
+def _scale_dtype(instance, attribute, value) -> None:
+    if value is not None and (not isinstance(value, mx.Dtype) or not mx.issubdtype(value, mx.floating)):
+        raise NotSupportedError(f"scale_dtype must be None or an MLX floating dtype, got {value!r}")
+
+
 @attrs.frozen
 class AffineQuant:
+    """Affine quantisation; ``scale_dtype`` None (the default) means the pool's dtype,
+    which is what mlx-lm's ``QuantizedKVCache`` stores (``mx.quantize`` of the model's
+    K/V), so outputs match it and a quantised step returns the model's dtype."""
+
     bits: int = attrs.field(validator=_bits)
     group_size: int = attrs.field(default=64, validator=_group)
-    scale_dtype: mx.Dtype = mx.float16
+    scale_dtype: mx.Dtype | None = attrs.field(default=None, validator=_scale_dtype)
 
     quantized = True
     rotated = False
+
+    def for_dtype(self, dtype: mx.Dtype) -> AffineQuant:
+        """This codec for a pool of ``dtype`` K/V: scales in ``dtype`` unless set."""
+        return self if self.scale_dtype is not None else attrs.evolve(self, scale_dtype=dtype)
 
     def check_dim(self, dim: int) -> None:
         if dim % self.group_size or (dim * self.bits) % 32:
@@ -163,7 +180,7 @@ PageCodec = FullPrecision | AffineQuant | RotatedAffineQuant
 
 
 def rotated(bits: int, dim: int, group_size: int = 64, seed: int = 0,
-            scale_dtype: mx.Dtype = mx.float16) -> RotatedAffineQuant:
+            scale_dtype: mx.Dtype | None = None) -> RotatedAffineQuant:
     """A TurboQuant codec for ``dim``-wide heads."""
     return RotatedAffineQuant(bits, group_size, scale_dtype, seed, dim=dim)
 

@@ -20,14 +20,16 @@ from typing import Sequence
 import mlx.core as mx
 
 from pagedkv.cache import PagedKVCache
-from pagedkv.errors import ReleasedError
+from pagedkv.errors import InvalidValueError, ReleasedError, check_int
 from pagedkv.view import KvAttentionView
 
 
 class DrafterKv:
     def __init__(self, target_cache: Sequence[PagedKVCache], layers: Sequence[int]) -> None:
         self._cache = target_cache
-        self.layers = tuple(layers)
+        self.layers = tuple(check_int("layer", i, minimum=0, maximum=len(target_cache) - 1) for i in layers)
+        if not self.layers:
+            raise InvalidValueError("a drafter needs at least one target layer")
         self._views: dict[int, KvAttentionView] | None = None
         self.refresh()
 
@@ -36,7 +38,8 @@ class DrafterKv:
         new = {}
         try:
             for layer in self.layers:
-                new[layer] = KvAttentionView.of_cache(self._cache[layer], start=0)
+                cache = self._cache[layer]  # every key the target still holds
+                new[layer] = KvAttentionView.of_cache(cache, start=cache.table.first_visible())
         except BaseException:
             for v in new.values():
                 v.release()
@@ -47,6 +50,8 @@ class DrafterKv:
     def view(self, layer: int) -> KvAttentionView:
         if self._views is None:
             raise ReleasedError("DrafterKv used after release()")
+        if layer not in self._views:
+            raise InvalidValueError(f"layer {layer!r} is not one of the drafter's layers {self.layers}")
         return self._views[layer]
 
     @property

@@ -2,6 +2,19 @@
 
 A call that raises one of these leaves the pool, the allocator and every page table
 exactly as they were. ``PoolExhausted`` is re-exported from :mod:`allocators`.
+
+Hierarchy (each also subclasses the closest built-in, so ``except ValueError`` works)::
+
+    PagedKvError
+    ├── InvalidValueError (ValueError)     an argument of the right type, wrong value
+    │   ├── KvShapeError                   keys/values/queries of the wrong shape
+    │   └── TrimError                      a trim that would reach dropped window pages
+    ├── InvalidTypeError (TypeError)       an argument of the wrong type
+    │   └── KvDTypeError                   an array of the wrong dtype
+    ├── ReleasedError (RuntimeError)       use of a released or moved object
+    ├── NotSupportedError (NotImplementedError)
+    └── KvLeakError (RuntimeError)
+    PoolExhausted (allocators; MemoryError)
 """
 
 from __future__ import annotations
@@ -10,8 +23,11 @@ from allocators.errors import PoolExhausted
 
 __all__ = [
     "PagedKvError",
+    "InvalidValueError",
+    "InvalidTypeError",
     "KvShapeError",
     "KvDTypeError",
+    "TrimError",
     "ReleasedError",
     "NotSupportedError",
     "KvLeakError",
@@ -23,16 +39,30 @@ class PagedKvError(Exception):
     """Base class of pagedkv errors."""
 
 
-class KvShapeError(PagedKvError, ValueError):
+class InvalidValueError(PagedKvError, ValueError):
+    """An argument of an accepted type whose value cannot be used (a layer out of range,
+    a table of another pool, a zero window, a row index past the batch, ...)."""
+
+
+class InvalidTypeError(PagedKvError, TypeError):
+    """An argument of the wrong type (a float layer index, a string codec, ...)."""
+
+
+class KvShapeError(InvalidValueError):
     """Keys/values/queries of the wrong rank, shape, head count, or an empty token axis."""
 
 
-class KvDTypeError(PagedKvError, TypeError):
+class KvDTypeError(InvalidTypeError):
     """An array whose dtype does not match what the pool stores."""
 
 
+class TrimError(InvalidValueError):
+    """A trim that would reach tokens whose pages already left the sliding window."""
+
+
 class ReleasedError(PagedKvError, RuntimeError):
-    """A view, SharedKv, table or cache used (or released) after it was released."""
+    """A view, SharedKv, table or cache used (or released) after it was released, or a
+    cache used after its pages were moved into a batch."""
 
 
 class NotSupportedError(PagedKvError, NotImplementedError):
@@ -41,3 +71,19 @@ class NotSupportedError(PagedKvError, NotImplementedError):
 
 class KvLeakError(PagedKvError, RuntimeError):
     """A SharedKv created during a ForwardPass was neither handed to the pass nor released."""
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    """``value`` as an int, or a typed error: ``InvalidTypeError`` unless it is an int
+    (bools are not), ``InvalidValueError`` outside [minimum, maximum]."""
+    import numpy as np  # local: keeps this module import-light
+
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise InvalidTypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        raise InvalidValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidValueError(f"{name} must be <= {maximum}, got {value}")
+    return value

@@ -32,15 +32,22 @@ O(pages read); ``copy_pages`` is O(pages * layers).
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from allocators import FreeListAllocator, RefCountingAllocator
-from pagedkv.codec import FullPrecision, PageCodec
-from pagedkv.errors import KvDTypeError, KvShapeError
+from allocators import FreeListAllocator, PageState, RefCountingAllocator
+from pagedkv.codec import AffineQuant, FullPrecision, PageCodec
+from pagedkv.errors import (
+    InvalidTypeError,
+    InvalidValueError,
+    KvDTypeError,
+    KvShapeError,
+    check_int,
+)
 
 Parts = tuple  # the gathered components of K or V: (values,) or (packed, scales, biases)
 
@@ -51,9 +58,25 @@ than that maps fresh OS memory; bench/RESULTS.md has the measurement."""
 
 
 def _check_positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
+    return check_int(name, value, minimum=1)
+
+
+def device_memory_bytes() -> int:
+    """Bytes of memory the default device can hold: MLX's memory limit, which defaults
+    to the device's recommended working set (physical memory on a CPU)."""
+    limit = mx.get_memory_limit()
+    if limit <= 0:  # pragma: no cover - a backend that reports no limit
+        limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(limit)
+
+
+def _check_codec(name: str, codec: object, dtype: mx.Dtype) -> PageCodec:
+    if codec is None:
+        return FullPrecision(dtype)
+    if not isinstance(codec, (FullPrecision, AffineQuant)):
+        raise InvalidTypeError(f"{name} must be a page codec (FullPrecision, AffineQuant, rotated(...)), "
+                               f"got {type(codec).__name__} {codec!r}")
+    return codec.for_dtype(dtype)
 
 
 class PagePool:
@@ -93,24 +116,31 @@ class PagePool:
         if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
             raise KvDTypeError(f"dtype must be an MLX floating dtype, got {dtype!r}")
         self.dtype = dtype
-        self.k_codec = k_codec if k_codec is not None else FullPrecision(dtype)
-        self.v_codec = v_codec if v_codec is not None else FullPrecision(dtype)
+        self.k_codec = _check_codec("k_codec", k_codec, dtype)
+        self.v_codec = _check_codec("v_codec", v_codec, dtype)
         self.k_codec.check_dim(self.head_dim)
         self.v_codec.check_dim(self.v_head_dim)
         per_page = self.bytes_per_page
         if (num_pages is None) == (max_bytes is None):
-            raise ValueError("give exactly one of num_pages and max_bytes")
+            raise InvalidValueError("give exactly one of num_pages and max_bytes")
         if num_pages is None:
             num_pages = int(_check_positive("max_bytes", max_bytes) // per_page)
             if num_pages < 2:
-                raise ValueError(f"max_bytes={max_bytes} holds fewer than 2 pages of {per_page} bytes")
-        self.num_pages = _check_positive("num_pages", num_pages)
+                raise InvalidValueError(f"max_bytes={max_bytes} holds fewer than 2 pages of {per_page} bytes")
+        self.num_pages = check_int("num_pages", num_pages, minimum=2)  # the null page + one usable
+        if self.nbytes > device_memory_bytes():
+            raise InvalidValueError(
+                f"a pool of {self.num_pages} pages x {per_page:,} bytes ({self.nbytes / 2**30:.1f} GiB) "
+                f"does not fit the device's {device_memory_bytes() / 2**30:.1f} GiB"
+            )
         if allocator is None:
             allocator = FreeListAllocator(self.num_pages, null_page=True)
+        elif not isinstance(allocator, RefCountingAllocator):
+            raise InvalidTypeError(f"allocator must be a RefCountingAllocator, got {type(allocator).__name__}")
         elif allocator.num_pages != self.num_pages:
-            raise ValueError(f"allocator has {allocator.num_pages} pages, pool has {self.num_pages}")
+            raise InvalidValueError(f"allocator has {allocator.num_pages} pages, pool has {self.num_pages}")
         elif allocator.null_page is None:
-            raise ValueError("the pool's allocator must reserve the null page (null_page=True)")
+            raise InvalidValueError("the pool's allocator must reserve the null page (null_page=True)")
         self.allocator = allocator
         self.null_page = allocator.null_page
         rows = self.num_kv_heads * self.num_pages
@@ -182,8 +212,7 @@ class PagePool:
 
     # ------------------------------------------------------------------ read / write
     def _validate(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        if not (0 <= layer < self.num_layers):
-            raise IndexError(f"layer {layer} out of range [0, {self.num_layers})")
+        check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         for name, x, d in (("keys", keys, self.head_dim), ("values", values, self.v_head_dim)):
             if not isinstance(x, mx.array):
                 raise KvShapeError(f"{name} must be an mx.array, got {type(x).__name__}")
@@ -260,9 +289,22 @@ class PagePool:
         return self._k[layer][0], self._v[layer][0]
 
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy pages ``src`` onto pages ``dst`` in every layer (copy-on-write)."""
+        """Copy pages ``src`` onto pages ``dst`` in every layer (copy-on-write).
+
+        ``dst`` must be distinct pages the caller holds (IN_USE), never the null page;
+        ``src`` any valid page ids. Checked before anything is written.
+        """
+        alloc = self.allocator
+        src, dst = alloc.checked_ids(src), alloc.checked_ids(dst)
+        if src.size != dst.size:
+            raise InvalidValueError(f"copy_pages got {src.size} source and {dst.size} target pages")
         if src.size == 0:
             return
+        if np.unique(dst).size != dst.size:
+            raise InvalidValueError("copy_pages targets a page twice")
+        if any(alloc.page_state(int(p)) != PageState.IN_USE for p in dst):
+            raise InvalidValueError("copy_pages writes only into pages the caller holds (IN_USE), "
+                                    "never into the null page or a free or cached page")
         s = mx.array(self.rows(src).reshape(-1).astype(np.int32))
         d = mx.array(self.rows(dst).reshape(-1).astype(np.int32))
         for layer in range(self.num_layers):

@@ -20,7 +20,8 @@ def kv_dtype(model) -> mx.Dtype:
 def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, kv_bits: int | None = None) -> PagePool:
     """A pool for ``lm`` (a ``LoadedModel``) holding ``tokens`` tokens per layer.
 
-    ``kv_bits`` stores K and V quantised with fp16 scales: 8 bits plain affine (group
+    ``kv_bits`` stores K and V quantised with scales in the model's dtype (as mlx-lm's
+    ``QuantizedKVCache``, so a bf16 model's quantised step stays bf16): 8 bits plain affine (group
     64; mlx-lm's quantised attention path), fewer bits TurboQuant-style rotated K and V
     (group 32), which measured 2.6x lower KL than plain affine at 4 bits on SmolLM2
     (bench/RESULTS.md).

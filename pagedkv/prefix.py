@@ -26,7 +26,12 @@ import attrs
 import numpy as np
 
 from pagedkv.cache import PagedPromptCache, make_paged_cache
-from pagedkv.errors import NotSupportedError
+from pagedkv.errors import (
+    InvalidTypeError,
+    InvalidValueError,
+    NotSupportedError,
+    ReleasedError,
+)
 from pagedkv.pool import PagePool
 from pagedkv.table import PageTable
 
@@ -85,9 +90,10 @@ class PrefixCache:
         Only full pages count, and the last token is never covered.
         """
         ps = self.pool.page_size
+        ids = _token_ids(tokens)
         pages, parent = [], b""
-        for i in range((len(tokens) - 1) // ps):
-            chunk = tuple(int(t) for t in tokens[i * ps : (i + 1) * ps])
+        for i in range((len(ids) - 1) // ps):
+            chunk = ids[i * ps : (i + 1) * ps]
             parent = self.page_hash(parent, chunk)
             page = self._by_hash.get(parent)
             if page is None or self._info[page][1] != chunk:  # verify the tokens themselves
@@ -100,22 +106,21 @@ class PrefixCache:
 
         Returns (cache, the tokens still to run through the model).
         """
+        pages = self.match(tokens)  # checks the token ids before anything is built
+        if len(tokens) == 0:
+            raise InvalidValueError("a request needs at least one token")
         cache = make_paged_cache(model, self.pool)
         if len(cache.tables) != 1 or cache.tables[0].window is not None:
             cache.release()
             raise NotSupportedError("prefix caching serves full-attention models")
-        pages = self.match(tokens)
         self._queries += 1
         self._query_tokens += len(tokens)
         if pages:
             self.pool.allocator.touch(pages)  # one reference each; revives CACHED pages
-            table = cache.tables[0]
-            table._append(np.asarray(pages, dtype=np.int64))
+            cache.tables[0].adopt(pages)
             n = len(pages) * self.pool.page_size
-            table.num_tokens = n
-            table._version += 1
             for c in cache:
-                c.offset = c._step_start = n
+                c.restore_position((n, 0, n))
             self._hit_pages += len(pages)
             self._hit_tokens += n
         return cache, list(tokens[len(pages) * self.pool.page_size :])
@@ -124,15 +129,27 @@ class PrefixCache:
         """Make the full pages of a sequence findable; ``tokens`` are its token ids
         (at least its first ``num_tokens``). Returns the number of pages newly registered."""
         if isinstance(table, PagedPromptCache):
+            table.sequence.check_alive()
+            if len(table.tables) != 1:
+                raise NotSupportedError("prefix caching serves full-attention models (one page table)")
             table = table.tables[0]
+        if not isinstance(table, PageTable):
+            raise InvalidTypeError(f"register takes a PageTable or PagedPromptCache, got {type(table).__name__}")
+        if table.released:
+            raise ReleasedError("cannot register a released page table")
+        if table.pool is not self.pool:
+            raise InvalidValueError("the table's pages are in another pool than the prefix cache's")
+        if table.window is not None:
+            raise NotSupportedError("prefix caching serves full-attention tables; a sliding window drops pages")
         ps = self.pool.page_size
         full = table.num_tokens // ps
         if len(tokens) < full * ps:
-            raise ValueError(f"need the ids of the {full * ps} tokens in full pages, got {len(tokens)}")
+            raise InvalidValueError(f"need the ids of the {full * ps} tokens in full pages, got {len(tokens)}")
+        ids = _token_ids(tokens[: full * ps])  # all checked before anything is registered
         pages = table.pages
         parent, new = b"", []
         for i in range(full):
-            chunk = tuple(int(t) for t in tokens[i * ps : (i + 1) * ps])
+            chunk = ids[i * ps : (i + 1) * ps]
             parent = self.page_hash(parent, chunk)
             page = int(pages[i])
             if parent in self._by_hash or page in self._info:
@@ -150,3 +167,14 @@ class PrefixCache:
             hit_pages=self._hit_pages, registered_pages=len(self._info),
             cached_pages=self.pool.allocator.num_cached(), evictions=self._evictions,
         )
+
+
+def _token_ids(tokens: Sequence[int]) -> tuple[int, ...]:
+    """Token ids as a tuple of Python ints, or ``InvalidTypeError`` (nothing changes)."""
+    try:
+        arr = np.asarray(tokens)
+    except (TypeError, ValueError) as e:
+        raise InvalidTypeError(f"token ids must be a sequence of ints: {e}") from None
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise InvalidTypeError(f"token ids must be a 1-d sequence of ints, got {arr.dtype} of shape {arr.shape}")
+    return tuple(arr.tolist())

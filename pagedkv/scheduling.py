@@ -12,11 +12,14 @@ from __future__ import annotations
 import math
 
 from pagedkv.cache import PagedPromptCache
+from pagedkv.errors import InvalidValueError, check_int
 from pagedkv.pool import PagePool
 
 
 def pages_for(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
+    """Pages ``tokens`` tokens occupy (``InvalidValueError`` for a page size below 1)."""
+    tokens = check_int("tokens", tokens, minimum=0)
+    return -(-tokens // check_int("page_size", page_size, minimum=1))
 
 
 def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached_tokens: int = 0,
@@ -26,8 +29,11 @@ def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached
     ``cached_tokens`` are prompt tokens a prefix cache will serve (they cost no new
     pages). ``watermark`` is the fraction of the pool kept free for running sequences.
     """
-    if prompt_tokens < 1 or max_new_tokens < 0 or not 0 <= watermark < 1:
-        raise ValueError("prompt_tokens >= 1, max_new_tokens >= 0, 0 <= watermark < 1")
+    check_int("prompt_tokens", prompt_tokens, minimum=1)
+    check_int("max_new_tokens", max_new_tokens, minimum=0)
+    check_int("cached_tokens", cached_tokens, minimum=0)
+    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+        raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
     need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size
     reserve = math.ceil(watermark * pool.num_pages)
     return need <= pool.allocator.num_available() - reserve

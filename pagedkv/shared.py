@@ -27,7 +27,8 @@ import attrs
 import mlx.core as mx
 
 from pagedkv.attention import quantized_attention
-from pagedkv.errors import KvShapeError, ReleasedError
+from pagedkv.codec import GROUP_SIZES, QUANT_BITS
+from pagedkv.errors import InvalidValueError, KvShapeError, ReleasedError
 from pagedkv.view import KvAttentionView
 
 
@@ -75,6 +76,35 @@ def _check_array(instance, attribute, value) -> None:
         raise KvShapeError(f"{attribute.name} must be a [B, kv_heads, L, D] mx.array")
 
 
+def _check_triple(instance, attribute, value) -> None:
+    if not (isinstance(value, tuple) and len(value) == 3 and all(isinstance(x, mx.array) for x in value)):
+        raise KvShapeError(f"{attribute.name} must be a (packed, scales, biases) tuple of mx.arrays")
+    packed, scales, biases = value
+    if packed.ndim != 4 or packed.dtype != mx.uint32 or scales.shape != biases.shape \
+            or scales.shape[:3] != packed.shape[:3]:
+        raise KvShapeError(f"{attribute.name}: packed must be uint32 [B, kv_heads, L, D*bits/32] and scales/biases "
+                           f"[B, kv_heads, L, D/group_size], got {[tuple(x.shape) for x in value]}")
+
+
+def _check_bits(instance, attribute, value) -> None:
+    if value is None and attribute.name.startswith("v_"):
+        return
+    if isinstance(value, bool) or value not in QUANT_BITS:
+        raise InvalidValueError(f"{attribute.name} must be one of {QUANT_BITS}, got {value!r}")
+
+
+def _check_group(instance, attribute, value) -> None:
+    if value is None and attribute.name.startswith("v_"):
+        return
+    if isinstance(value, bool) or value not in GROUP_SIZES:
+        raise InvalidValueError(f"{attribute.name} must be one of {GROUP_SIZES}, got {value!r}")
+
+
+def _same_tokens(keys_shape: tuple, values_shape: tuple) -> None:
+    if keys_shape[:3] != values_shape[:3]:
+        raise KvShapeError(f"keys {keys_shape} and values {values_shape} differ in batch, kv heads or length")
+
+
 class _SharedKvBase:
     """What every kind shares: it reports its creation to the active ForwardPass (debug
     leak detection) and is released exactly once through its ``_lease`` field."""
@@ -104,8 +134,9 @@ class PlainKv(_SharedKvBase):
     kind: Literal["plain"] = attrs.field(default="plain", init=False)
 
     def __attrs_post_init__(self) -> None:
+        _same_tokens(tuple(self.keys.shape), tuple(self.values.shape))
         if self.v_rotated and self.restore_values is None:
-            raise ValueError("v_rotated=True needs restore_values to un-rotate attention outputs")
+            raise InvalidValueError("v_rotated=True needs restore_values to un-rotate attention outputs")
         super().__attrs_post_init__()
 
     def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
@@ -120,16 +151,20 @@ class PlainKv(_SharedKvBase):
 
 @attrs.frozen
 class QuantKv(_SharedKvBase):
-    keys: tuple[mx.array, mx.array, mx.array]
-    values: tuple[mx.array, mx.array, mx.array]
-    bits: int
-    group_size: int
+    keys: tuple[mx.array, mx.array, mx.array] = attrs.field(validator=_check_triple)
+    values: tuple[mx.array, mx.array, mx.array] = attrs.field(validator=_check_triple)
+    bits: int = attrs.field(validator=_check_bits)
+    group_size: int = attrs.field(validator=_check_group)
     offset: int = attrs.field(validator=_check_offset)
     offset_arr: Optional[mx.array] = attrs.field(default=None, converter=_owned_positions)
-    v_bits: Optional[int] = None  # values' bits when they differ from the keys' (k8v4)
-    v_group_size: Optional[int] = None
+    v_bits: Optional[int] = attrs.field(default=None, validator=_check_bits)  # values' bits (k8v4)
+    v_group_size: Optional[int] = attrs.field(default=None, validator=_check_group)
     _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
     kind: Literal["quant"] = attrs.field(default="quant", init=False)
+
+    def __attrs_post_init__(self) -> None:
+        _same_tokens(tuple(self.keys[0].shape), tuple(self.values[0].shape))
+        super().__attrs_post_init__()
 
     def attend(self, q: mx.array, scale: float, mask=None) -> mx.array:
         """Quantised attention on the packed K/V; ``q`` itself is never modified."""

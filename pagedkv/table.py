@@ -11,28 +11,49 @@ null page, so a sequence holds at most ceil(W / page_size) + 1 pages.
 
 Ownership: the table holds exactly one allocator reference per listed page (the null
 page is not counted). ``trim`` and ``release`` give them back; ``fork`` takes one more
-per page for the new table. A write into a partial last page that someone else also
-references (a fork, or a view taken before a trim) first copies that page
-(copy-on-write), so no other holder ever sees the write.
+per page for the new table. Every write goes through ``prepare_write``: a page in the
+written range that someone else also references (a fork, a view) or that a prefix
+cache registered is copied first (copy-on-write), so no other holder ever sees the
+write. That covers appends into a shared partial last page and rewrites after a trim.
 
 All mutations are atomic: on ``PoolExhausted`` (or any error) nothing has changed.
-Costs: ``reserve`` O(new pages) plus one page copy for copy-on-write; ``trim`` O(pages
-dropped); ``fork``/``release`` O(pages); index helpers are memoised per table version.
+Costs: ``prepare_write`` O(new pages + pages in the range) plus one page copy per
+shared page; ``trim`` O(pages dropped); ``fork``/``release`` O(pages); index helpers
+are memoised per table version.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
+import attrs
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.errors import ReleasedError
+from pagedkv.errors import InvalidTypeError, InvalidValueError, ReleasedError, TrimError, check_int
 from pagedkv.pool import PagePool
+
+_NO_PAGES = np.empty(0, dtype=np.int64)
+
+
+@attrs.define(slots=True)
+class UndoRecord:
+    """What a journaled ``prepare_write`` changed: the table before it, the pages it
+    allocated, and the references it still owes (see ``PageTable.prepare_write``)."""
+
+    pages: np.ndarray
+    dropped: int
+    num_tokens: int
+    allocated: np.ndarray
+    owed: np.ndarray = _NO_PAGES
 
 
 class PageTable:
     def __init__(self, pool: PagePool, window: int | None = None) -> None:
-        if window is not None and (not isinstance(window, int) or window < 1):
-            raise ValueError(f"window must be a positive int or None, got {window!r}")
+        if not isinstance(pool, PagePool):
+            raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
+        if window is not None:
+            window = check_int("window", window, minimum=1)
         self.pool = pool
         self.window = window
         self._pages = np.empty(16, dtype=np.int64)
@@ -42,7 +63,7 @@ class PageTable:
         self._released = False
         self._version = 0
         self._memo: dict = {}
-        self.members: list = []  # per-layer caches sharing this table (set by the cache)
+        self.sequence = None  # the PagedSequence whose layers write through this table
 
     # ------------------------------------------------------------------ queries
     @property
@@ -64,50 +85,111 @@ class PageTable:
             raise ReleasedError("page table used after release()")
 
     # ------------------------------------------------------------------ mutations
-    def _plan(self, count: int) -> tuple[int, bool]:
-        """(new pages, copy-on-write?) for appending ``count`` tokens.
+    def _plan(self, start: int, count: int) -> tuple[int, np.ndarray]:
+        """(new pages, indices of listed pages to copy first) for writing tokens
+        [start, start + count).
 
-        The partial last page is copied first when anyone else references it (a fork, a
-        view) or when it is registered in a prefix cache (its content must never change).
+        A listed page in that range is copied first (copy-on-write) when anyone else
+        references it (a fork, a view) or when it is registered in a prefix cache (its
+        content must never change). Raises unless ``start`` lies in
+        [first_visible(), num_tokens].
         """
+        if not self.first_visible() <= start <= self.num_tokens:
+            raise InvalidValueError(
+                f"cannot write at token {start}: the table holds [{self.first_visible()}, "
+                f"{self.num_tokens}) and writes may not leave a gap"
+            )
         ps = self.pool.page_size
-        start = self.num_tokens
-        need = -(-(start + count) // ps) - self._n
-        if start % ps == 0:
-            return need, False
-        last = int(self._pages[self._n - 1])
+        stop_page = -(-(start + count) // ps)
+        need = max(0, stop_page - self._n)
+        first, last = start // ps, min(stop_page, self._n)
+        if first >= last:
+            return need, _NO_PAGES
         alloc = self.pool.allocator
-        return need, alloc.refcount(last) > 1 or alloc.is_cacheable(last)
+        if last - first == 1:  # the common case: the partial last page of an append
+            page = int(self._pages[first])
+            shared = alloc.refcount(page) > 1 or alloc.is_cacheable(page)
+            return need, np.array([first]) if shared else _NO_PAGES
+        idx = np.arange(first, last)
+        shared = [alloc.refcount(int(p)) > 1 or alloc.is_cacheable(int(p)) for p in self._pages[first:last]]
+        return need, idx[np.array(shared, dtype=bool)]
 
-    def pages_needed(self, count: int) -> int:
-        """Pages ``reserve(count)`` would allocate, copy-on-write included."""
-        need, cow = self._plan(count)
-        return need + int(cow)
+    def pages_needed(self, count: int, start: int | None = None) -> int:
+        """Pages writing ``count`` tokens at ``start`` (default: appending) would
+        allocate, copy-on-write included."""
+        need, cow = self._plan(self.num_tokens if start is None else start, count)
+        return need + cow.size
 
-    def reserve(self, count: int) -> int:
-        """Make room for ``count`` more tokens; returns the first new position.
+    def prepare_write(self, start: int, count: int, undo: list | None = None) -> None:
+        """Make tokens [start, start + count) writable by this table alone.
 
-        Allocates pages as needed (one atomic ``allocate``), copies a shared partial last
-        page first, and drops pages that left the sliding window.
+        Allocates pages past the end (one atomic ``allocate``, also covering the
+        copies), copies every shared page in the range first (copy-on-write), extends
+        ``num_tokens`` to ``start + count`` if that is further, and drops pages that left
+        the sliding window. On ``PoolExhausted`` or bad input nothing has changed.
+
+        With ``undo`` (a list; a step in progress), the references this write gives up
+        (pages copied away from, pages dropped by the window) are kept for now and an
+        ``UndoRecord`` is appended: ``commit(record)`` gives them up, ``undo(record)``
+        puts the table back exactly as it was.
         """
         self._check_alive()
-        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-            raise ValueError(f"count must be a positive int, got {count!r}")
-        start = self.num_tokens
-        need, cow = self._plan(count)
+        count = check_int("count", count, minimum=1)
+        start = check_int("start", start, minimum=0)
+        need, cow = self._plan(start, count)
         alloc = self.pool.allocator
-        new = alloc.allocate(need + int(cow))  # atomic: raises before anything changes
-        if cow:
-            last = self._pages[self._n - 1 : self._n].copy()
-            self.pool.copy_pages(last, new[:1])
-            alloc.decref(last)
-            self._pages[self._n - 1] = new[0]
-            new = new[1:]
+        new = alloc.allocate(need + cow.size)  # atomic: raises before anything changes
+        record = UndoRecord(self._pages[: self._n].copy(), self._dropped, self.num_tokens, new) \
+            if undo is not None else None
+        owed = []
+        if cow.size:
+            old = self._pages[cow].copy()
+            self.pool.copy_pages(old, new[: cow.size])
+            owed.append(old)
+            self._pages[cow] = new[: cow.size]
+            new = new[cow.size :]
         self._append(new)
-        self.num_tokens = start + count
-        self._drop_outside_window(start)
+        self.num_tokens = max(self.num_tokens, start + count)
+        owed.append(self._drop_outside_window(start))
         self._version += 1
+        owed = np.concatenate(owed) if len(owed) > 1 else owed[0]
+        if record is None:
+            alloc.decref(owed)
+        else:
+            record.owed = owed
+            undo.append(record)
+
+    def commit(self, record: UndoRecord) -> None:
+        """Give up the references a journaled ``prepare_write`` kept (the step stands)."""
+        self.pool.allocator.decref(record.owed)
+
+    def undo(self, record: UndoRecord) -> None:
+        """Put the table back as it was before the journaled ``prepare_write``: its page
+        ids, length and window, with the pages allocated for it given back in reverse
+        order (so a LIFO free list is as it was)."""
+        n = record.pages.size
+        self._pages[:n] = record.pages
+        self._n, self._dropped, self.num_tokens = n, record.dropped, record.num_tokens
+        self._version += 1
+        self.pool.allocator.decref(record.allocated[::-1].copy())
+
+    def reserve(self, count: int) -> int:
+        """Append room for ``count`` tokens (``prepare_write`` at the end); returns the
+        first new position."""
+        start = self.num_tokens
+        self.prepare_write(start, count)
         return start
+
+    def adopt(self, pages: Sequence[int]) -> None:
+        """Start an empty table with ``pages``, all full, on which the caller has
+        already taken one reference each (a prefix-cache hit)."""
+        self._check_alive()
+        if self._n:
+            raise InvalidValueError("adopt() needs an empty table")
+        ids = np.asarray(pages, dtype=np.int64)
+        self._append(ids)
+        self.num_tokens = ids.size * self.pool.page_size
+        self._version += 1
 
     def _append(self, ids: np.ndarray) -> None:
         if ids.size == 0:
@@ -119,38 +201,57 @@ class PageTable:
         self._pages[self._n : self._n + ids.size] = ids
         self._n += ids.size
 
-    def _drop_outside_window(self, first_query: int) -> None:
+    def _drop_outside_window(self, first_query: int) -> np.ndarray:
+        """Replace pages no query from ``first_query`` on can see by the null page;
+        returns their ids (the caller gives their references back)."""
         if self.window is None:
-            return
+            return _NO_PAGES
         # The earliest key any query from ``first_query`` on can see.
         keep_from = first_query - self.window + 1
         droppable = max(0, keep_from // self.pool.page_size)
-        if droppable > self._dropped:
-            gone = self._pages[self._dropped : droppable].copy()
-            self._pages[self._dropped : droppable] = self.pool.null_page
-            self._dropped = droppable
-            self.pool.allocator.decref(gone)
+        if droppable <= self._dropped:
+            return _NO_PAGES
+        gone = self._pages[self._dropped : droppable].copy()
+        self._pages[self._dropped : droppable] = self.pool.null_page
+        self._dropped = droppable
+        return gone
 
     def first_visible(self) -> int:
         """First token position whose page is still held (0 without a window)."""
         return self._dropped * self.pool.page_size
 
+    def max_rewind(self, length: int) -> int:
+        """How many of the first ``length`` tokens can be un-written (trimmed) so that
+        a query at the new end still finds every key of its window held.
+
+        Without a window, or before any page was dropped: all of them.
+        """
+        if self.window is None or self._dropped == 0:
+            return length
+        return max(0, length - (self.first_visible() + self.window - 1))
+
+    def check_rewind(self, new_length: int) -> None:
+        """Raise ``TrimError`` unless a layer may go back to ``new_length`` tokens."""
+        if self.window is not None and self._dropped and new_length - self.window + 1 < self.first_visible():
+            raise TrimError(
+                f"cannot go back to {new_length} tokens: a query there sees keys from "
+                f"{max(0, new_length - self.window + 1)}, but pages before token "
+                f"{self.first_visible()} already left the sliding window of {self.window}"
+            )
+
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens (at most all); free now-unused tail pages.
 
-        Returns the number trimmed. Raises ``ValueError`` if the trim would reach tokens
-        whose pages already left the sliding window.
+        Returns the number trimmed. Raises ``TrimError`` (and changes nothing) if a query
+        at the new end would need keys whose pages already left the sliding window.
         """
         self._check_alive()
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int, got {n!r}")
-        n = min(n, self.num_tokens)
+        n = min(check_int("n", n, minimum=0), self.num_tokens)
         if n == 0:
             return 0
         new_len = self.num_tokens - n
+        self.check_rewind(new_len)
         keep = -(-new_len // self.pool.page_size)
-        if keep < self._dropped or (self._dropped and new_len < self.first_visible()):
-            raise ValueError("cannot trim into pages that already left the sliding window")
         if keep < self._n:
             self.pool.allocator.decref(self._pages[keep : self._n].copy())
             self._n = keep
@@ -184,7 +285,7 @@ class PageTable:
         hit = self._memo.get(key)
         if hit is None:
             if start < self.first_visible() or start + count > self._n * self.pool.page_size:
-                raise ValueError(f"tokens [{start}, {start + count}) are not reserved in this table")
+                raise InvalidValueError(f"tokens [{start}, {start + count}) are not reserved in this table")
             hit = self.pool.token_rows_slots(self._pages[: self._n], start, count)
             self._remember(key, hit)
         return hit

@@ -28,7 +28,13 @@ import mlx.core as mx
 import numpy as np
 
 from pagedkv.attention import attend_parts, decode_kv
-from pagedkv.errors import KvShapeError, ReleasedError
+from pagedkv.errors import (
+    InvalidTypeError,
+    InvalidValueError,
+    KvShapeError,
+    ReleasedError,
+    check_int,
+)
 from pagedkv.kernels import paged_decode
 from pagedkv.mask import causal_mask
 from pagedkv.pool import PagePool
@@ -47,21 +53,28 @@ class KvAttentionView:
         lengths: Sequence[int] | None = None,
         starts: Sequence[int] | None = None,
     ) -> None:
+        if not isinstance(pool, PagePool):
+            raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
+        layer = check_int("layer", layer, minimum=0, maximum=pool.num_layers - 1)
+        tables = list(tables)
         if not tables:
-            raise ValueError("a view needs at least one page table")
-        if not (0 <= layer < pool.num_layers):
-            raise IndexError(f"layer {layer} out of range [0, {pool.num_layers})")
+            raise InvalidValueError("a view needs at least one page table")
         ps = pool.page_size
-        lengths = [t.num_tokens for t in tables] if lengths is None else list(lengths)
-        starts = [t.first_visible() for t in tables] if starts is None else list(starts)
+        lengths = [t.num_tokens for t in tables] if lengths is None else [check_int("length", n) for n in lengths]
+        starts = [t.first_visible() for t in tables] if starts is None else [check_int("start", n) for n in starts]
         if len(lengths) != len(tables) or len(starts) != len(tables):
-            raise ValueError("one length and one start per table")
+            raise InvalidValueError("one length and one start per table")
         rows = []
         for t, lo, hi in zip(tables, starts, lengths):
+            if getattr(t, "pool", None) is not pool:
+                raise InvalidValueError("every table of a view must list pages of the view's pool")
             if t.released:
                 raise ReleasedError("cannot view a released page table")
             if not (t.first_visible() <= lo <= hi <= t.num_tokens) or hi < 1:
-                raise ValueError(f"rows must view a non-empty range inside the table, got [{lo}, {hi})")
+                raise InvalidValueError(
+                    f"rows must view a non-empty range of held tokens [{t.first_visible()}, "
+                    f"{t.num_tokens}), got [{lo}, {hi})"
+                )
             rows.append(t.pages[lo // ps : -(-hi // ps)])
         # the page-table snapshot [B, width] and head-major take-indices, one set per view
         snapshot, self._index = pool.gather_index(rows)
@@ -84,6 +97,7 @@ class KvAttentionView:
 
         ``start`` defaults to the first key the cache's own window still shows.
         """
+        cache._check_alive()
         if start is None:
             start = 0 if cache.window is None else max(0, cache.offset - cache.window)
             start = max(start, cache.table.first_visible())
@@ -213,5 +227,7 @@ class KvAttentionView:
             self.release()
 
     def __repr__(self) -> str:
+        if not hasattr(self, "_released"):
+            return "KvAttentionView(not built)"
         state = "released" if self._released else f"rows={list(zip(self.starts, self.lengths))}"
         return f"KvAttentionView(layer={self.layer}, {state})"

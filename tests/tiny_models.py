@@ -15,6 +15,11 @@ CONFIGS = {
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-5,
         "vocab_size": VOCAB, "rope_theta": 10000.0, "tie_word_embeddings": False,
     },
+    "llama_d128": {  # head_dim 128, so every quantisation group size (32/64/128) fits
+        "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 2, "intermediate_size": 96,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128, "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB, "rope_theta": 10000.0, "tie_word_embeddings": False,
+    },
     "qwen3": {
         "model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 3, "intermediate_size": 96,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,

@@ -1,0 +1,44 @@
+"""Byte-for-byte snapshots of everything a failed call must leave unchanged.
+
+``state_of(pool, *owners)`` captures the allocator (stats, per-page state, reference
+counts, cacheable flags, the LRU and the free list in hand-out order), the pool's arrays,
+and every page table and per-layer position reachable from ``owners`` (prompt caches,
+per-layer caches, tables, batches). Two snapshots compare equal iff nothing changed.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from pagedkv import PagedBatch, PagedKVCache, PagedPromptCache, PageTable
+
+
+def _table(t: PageTable) -> tuple:
+    return ("table", t.released, t.num_tokens, t._dropped, t.pages.tobytes(), t.window)
+
+
+def _owner(o) -> tuple:
+    if isinstance(o, PageTable):
+        return _table(o)
+    if isinstance(o, PagedKVCache):
+        return ("layer", o.layer, o.save_position(), _table(o.table))
+    if isinstance(o, PagedPromptCache):
+        return ("prompt", len(o), tuple(_owner(c) for c in o), tuple(_table(t) for t in o.tables))
+    if isinstance(o, PagedBatch):
+        return ("batch", o._released, o._offsets.tobytes(), tuple(_table(t) for t in o.rows))
+    raise TypeError(f"no snapshot for {type(o).__name__}")
+
+
+def state_of(pool, *owners, arrays: bool = True) -> tuple:
+    a = pool.allocator
+    alloc = (a.stats(), a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(),
+             tuple(a._lru), np.asarray(a._free_ids()).tobytes())
+    data = []
+    if arrays:
+        pool.each_layer_array(lambda k, v: data.append((_bytes(k), _bytes(v))))
+    return alloc, tuple(data), tuple(_owner(o) for o in owners)
+
+
+def _bytes(x: mx.array) -> bytes:
+    return np.array(x.view(mx.uint16) if x.dtype == mx.bfloat16 else x).tobytes()

@@ -1,0 +1,372 @@
+"""Misuse found by driving the public API with hostile sequences (issue 12): each case is
+a typed error that leaves the allocator, the pool and every table byte-for-byte as they
+were, or the corrected behaviour."""
+
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+from snapshots import state_of
+
+from allocators import FreeListAllocator, InvalidArgument, SortedAllocator
+from pagedkv import (
+    AffineQuant,
+    DrafterKv,
+    InvalidTypeError,
+    InvalidValueError,
+    KvAttentionView,
+    KvDTypeError,
+    KvShapeError,
+    NotSupportedError,
+    PagedBatch,
+    PagedKVCache,
+    PagePool,
+    PageTable,
+    PlainKv,
+    PoolExhausted,
+    PrefixCache,
+    QuantKv,
+    ReleasedError,
+    TrimError,
+    make_paged_cache,
+    pages_for,
+)
+
+
+def P(**k):
+    return PagePool(**{**dict(num_layers=1, num_kv_heads=1, head_dim=4, page_size=4, num_pages=16,
+                              dtype=mx.float32), **k})
+
+
+def t(x, n=1):
+    return (mx.full((1, 1, n, 4), float(x)),) * 2
+
+
+def M(n=1):
+    return SimpleNamespace(layers=[0] * n)
+
+
+class SlidingThenFull:
+    """A model shape with a sliding-window layer (8) before a full-attention layer."""
+
+    layers = [0, 0]
+
+    def make_cache(self):
+        return [RotatingKVCache(8), KVCache()]
+
+
+def keys_of(cache) -> list[float]:
+    return cache.state[0][0, 0, :, 0].tolist()
+
+
+# 1 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("make", [FreeListAllocator, SortedAllocator])
+def test_incref_listing_a_page_more_times_than_the_pool_has_pages_counts_every_listing(make):
+    a = make(4)
+    (page,) = a.allocate(1).tolist()
+    a.incref([page] * 9)
+    assert a.refcount(page) == 10
+    a.decref([page] * 10)
+    a.check()
+    assert a.num_in_use() == 0
+
+
+def test_a_view_over_two_rows_sharing_pages_in_a_tiny_pool_is_created_and_released():
+    p = P(page_size=1, num_pages=8)
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 5))
+    b = PagedBatch(p, 1)
+    b.extend(c.fork())
+    b.extend(c.fork())
+    b.caches[0].update_and_fetch(*(mx.ones((2, 1, 1, 4)),) * 2)
+    kv = b.caches[0].fetch_shared()
+    kv.release()
+    b.release()
+    c.release()
+    p.allocator.check()
+    assert p.allocator.num_in_use() == 0
+
+
+# 2 ------------------------------------------------------------------------------------
+def test_a_step_that_cannot_get_pages_for_every_layer_writes_no_layer():
+    p = P(num_layers=2, num_pages=4)
+    c = make_paged_cache(SlidingThenFull(), p)
+    before = state_of(p, c)
+    with pytest.raises(PoolExhausted):
+        c[0].update_and_fetch(*t(1, 8))
+    assert state_of(p, c) == before
+    assert [x.offset for x in c] == [0, 0]
+
+
+def test_a_later_layer_with_bad_input_rolls_the_whole_step_back():
+    p = P(num_layers=2, num_pages=16)
+    c = make_paged_cache(SlidingThenFull(), p)
+    for layer in range(2):
+        c[layer].update_and_fetch(*t(1, 3))
+    before = state_of(p, c, arrays=False)
+    c[0].update_and_fetch(*t(2, 2))
+    with pytest.raises(KvDTypeError):
+        c[1].update_and_fetch(*(x.astype(mx.float16) for x in t(2, 2)))
+    after = state_of(p, c, arrays=False)
+    assert after[2] == before[2]  # tables and every layer's position
+    assert after[0][1:] == before[0][1:]  # page states, counts, LRU, free list
+    for layer in range(2):  # and the step runs again as if it never started
+        c[layer].update_and_fetch(*t(3, 2))
+        assert keys_of(c[layer]) == [1, 1, 1, 3, 3]
+
+
+# 3, 10, and the quantised reference matrix live in test_quantized_reference.py
+# 4 ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("use", [
+    lambda c: c[0].state,
+    lambda c: c[0].fetch_shared("plain"),
+    lambda c: c[0].fetch_shared("view"),
+    lambda c: c[0].trim(1),
+    lambda c: c[0].update_and_fetch(*t(5)),
+    lambda c: c[0].keys_and_values(),
+    lambda c: c[0].make_mask(1),
+    lambda c: c.fork(),
+    lambda c: c.release(),
+    lambda c: KvAttentionView.of_cache(c[0]),
+])
+def test_a_released_cache_raises_released_error_instead_of_reading_reused_pages(use):
+    p = P()
+    pc = make_paged_cache(M(), p)
+    pc[0].update_and_fetch(*t(1, 3))
+    pc.release()
+    other = make_paged_cache(M(), p)
+    other[0].update_and_fetch(*t(9, 3))  # takes the freed pages
+    before = state_of(p, other)
+    with pytest.raises(ReleasedError):
+        use(pc)
+    assert state_of(p, other) == before
+
+
+# 5, 6 ---------------------------------------------------------------------------------
+def windowed_cache(writes=13):
+    c = PagedKVCache(PageTable(P(), window=4), 0)
+    for i in range(writes):
+        c.update_and_fetch(*t(i))
+    return c
+
+
+def test_trim_past_what_the_window_still_holds_raises_trim_error_and_changes_nothing():
+    c = windowed_cache()
+    assert c.max_trim() == 2  # pages before token 8 left; a query at 11 needs keys 8..11
+    before = state_of(c.pool, c)
+    for n in (3, 4, 9):
+        with pytest.raises(TrimError):
+            c.trim(n)
+        assert state_of(c.pool, c) == before
+    assert c.offset == 13 and c.table.num_tokens == 13
+
+
+def test_windowed_trim_within_the_held_keys_then_attends_over_real_keys():
+    c = windowed_cache()
+    assert c.is_trimmable()
+    c.trim(2)
+    k, _ = c.update_and_fetch(*t(100))
+    assert k[0, 0, :, 0].tolist() == [8, 9, 10, 100]
+
+
+@pytest.mark.parametrize("step", [1, 3, 6])
+def test_a_windowed_cache_can_always_take_back_its_last_step(step):
+    c = windowed_cache(13)
+    c.update_and_fetch(*t(50, step))
+    assert c.is_trimmable() and c.max_trim() >= step
+    c.trim(step)
+    k, _ = c.update_and_fetch(*t(100))
+    assert k[0, 0, :, 0].tolist() == [10, 11, 12, 100]
+
+
+# 7 ------------------------------------------------------------------------------------
+def test_rewriting_a_trimmed_layer_copies_pages_a_fork_shares():
+    a = make_paged_cache(M(2), P(num_layers=2))
+    for layer in range(2):
+        a[layer].update_and_fetch(*t(1, 6))
+    f = a.fork()
+    a[0].trim(2)
+    a[0].update_and_fetch(*t(77))
+    assert keys_of(f[0]) == [1] * 6
+    assert keys_of(a[0]) == [1, 1, 1, 1, 77]
+    assert keys_of(a[1]) == [1] * 6
+
+
+def test_rewriting_a_trimmed_layer_copies_pages_a_live_view_covers():
+    a = make_paged_cache(M(2), P(num_layers=2))
+    for layer in range(2):
+        a[layer].update_and_fetch(*t(1, 6))
+    view = KvAttentionView.of_cache(a[0])
+    a[0].trim(2)
+    a[0].update_and_fetch(*t(77))
+    assert view.keys_values()[0][0, 0, :, 0].tolist() == [1] * 6
+    view.release()
+
+
+# 8 ------------------------------------------------------------------------------------
+def test_a_view_refuses_a_table_of_another_pool():
+    p1, p2 = P(), P()
+    c = make_paged_cache(M(), p1)
+    c[0].update_and_fetch(*t(1, 3))
+    before = state_of(p2)
+    with pytest.raises(InvalidValueError, match="pool"):
+        KvAttentionView(p2, 0, [c.tables[0]])
+    assert state_of(p2) == before
+
+
+# 9 ------------------------------------------------------------------------------------
+def test_prefix_register_refuses_a_windowed_table_and_registers_nothing():
+    c = windowed_cache()
+    prefix = PrefixCache(c.pool)
+    before = state_of(c.pool, c)
+    with pytest.raises(NotSupportedError):
+        prefix.register(c.table, list(range(13)))
+    assert state_of(c.pool, c) == before
+    assert prefix.match(list(range(20))) == []
+
+
+def test_prefix_register_with_bad_token_ids_registers_nothing():
+    p = P()
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 9))
+    prefix = PrefixCache(p)
+    before = state_of(p, c)
+    with pytest.raises(InvalidTypeError):
+        prefix.register(c, [1, 2, 3, 4, 5, 6, 7, "x", 9])
+    assert state_of(p, c) == before
+    assert prefix.stats().registered_pages == 0
+
+
+# 11 -----------------------------------------------------------------------------------
+def test_a_cache_moved_into_a_batch_can_no_longer_write_its_row():
+    p = P()
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 3))
+    old = c[0]
+    b = PagedBatch(p, 1)
+    b.extend(c)
+    before = state_of(p, b)
+    with pytest.raises(ReleasedError, match="moved into a batch"):
+        old.update_and_fetch(*t(5))
+    with pytest.raises(ReleasedError, match="moved into a batch"):
+        b.extend(c)
+    assert state_of(p, b) == before
+    b.release()
+
+
+# 12 -----------------------------------------------------------------------------------
+def test_a_drafter_over_a_windowed_target_sees_every_key_the_target_holds():
+    p = P()
+    c = make_paged_cache(M(), p, max_kv_size=4)
+    for i in range(13):
+        c[0].update_and_fetch(*t(i))
+    with DrafterKv(c, [0]) as drafter:
+        k, _ = drafter.view(0).keys_values()
+        assert k[0, 0, :, 0].tolist() == [8, 9, 10, 11, 12]
+        q = mx.ones((1, 1, 1, 4))
+        out = drafter.attend(0, q, 0.5, window=4)
+        ref = mx.fast.scaled_dot_product_attention(q, k[:, :, 1:], k[:, :, 1:], scale=0.5)
+        assert mx.allclose(out, ref)
+
+
+# 13 -----------------------------------------------------------------------------------
+def _quant_triple(length=3):
+    return (mx.zeros((1, 1, length, 2), dtype=mx.uint32), mx.zeros((1, 1, length, 1)), mx.zeros((1, 1, length, 1)))
+
+
+BAD_CALLS = {
+    "cache layer 1.5": (InvalidTypeError, lambda p: PagedKVCache(PageTable(p), 1.5)),
+    "cache layer True": (InvalidTypeError, lambda p: PagedKVCache(PageTable(p), True)),
+    "cache layer past the pool": (InvalidValueError, lambda p: PagedKVCache(PageTable(p), 1)),
+    "table window True": (InvalidTypeError, lambda p: PageTable(p, window=True)),
+    "table window 0": (InvalidValueError, lambda p: PageTable(p, window=0)),
+    "table of no pool": (InvalidTypeError, lambda p: PageTable("pool")),
+    "batch of more layers than the pool": (InvalidValueError, lambda p: PagedBatch(p, 5)),
+    "quant kv bits 7 group 0": (InvalidValueError, lambda p: QuantKv(_quant_triple(), _quant_triple(), bits=7,
+                                                                     group_size=0, offset=0)),
+    "quant kv group 0": (InvalidValueError, lambda p: QuantKv(_quant_triple(), _quant_triple(), bits=4,
+                                                              group_size=0, offset=0)),
+    "quant kv keys 3 values 5": (KvShapeError, lambda p: QuantKv(_quant_triple(3), _quant_triple(5), bits=4,
+                                                                 group_size=32, offset=0)),
+    "plain kv keys 3 values 5": (KvShapeError, lambda p: PlainKv(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 5, 4)),
+                                                                 offset=0)),
+    "copy float page ids": (InvalidArgument, lambda p: p.copy_pages([1.5], [0])),
+    "copy into the null page": (InvalidValueError, lambda p: p.copy_pages([1], [0])),
+    "copy into a free page": (InvalidValueError, lambda p: p.copy_pages([1], [15])),
+    "copy lengths differ": (InvalidValueError, lambda p: p.copy_pages([1, 2], [3])),
+    "codec 'fp'": (InvalidTypeError, lambda p: P(k_codec="fp")),
+    "pool of 10**9 layers": (InvalidValueError, lambda p: P(num_layers=10**9)),
+    "pool of one page": (InvalidValueError, lambda p: P(num_pages=1)),
+    "step on an empty batch": (KvShapeError, lambda p: PagedBatch(p, 1).caches[0].update_and_fetch(
+        *(mx.zeros((0, 1, 1, 4)),) * 2)),
+    "pages_for page size 0": (InvalidValueError, lambda p: pages_for(3, 0)),
+    "pages_for a float": (InvalidTypeError, lambda p: pages_for(3.0, 4)),
+    "fetch_shared of an unknown kind": (InvalidValueError, lambda p: make_paged_cache(M(), p)[0].fetch_shared("x")),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_bad_input_raises_a_typed_error_and_changes_nothing(name):
+    error, call = BAD_CALLS[name]
+    p = P()
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 5))
+    before = state_of(p, c)
+    with pytest.raises(error):
+        call(p)
+    assert state_of(p, c) == before
+
+
+def test_every_value_error_is_a_value_error_and_every_type_error_a_type_error():
+    with pytest.raises(ValueError):
+        P(num_pages=1)
+    with pytest.raises(ValueError):
+        P(num_pages=0)
+    with pytest.raises(TypeError):
+        P(num_pages=1.0)
+    with pytest.raises(ValueError):
+        FreeListAllocator(1, null_page=True)
+    with pytest.raises(TypeError):
+        FreeListAllocator("4")
+
+
+def test_batch_misuse_names_the_mistake():
+    p = P()
+    b = PagedBatch(p, 1)
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 3))
+    b.extend(c)
+    before = state_of(p, b)
+    with pytest.raises(InvalidValueError, match="row"):
+        b.extract(3)
+    with pytest.raises(InvalidValueError, match="row"):
+        b.filter([0, 5])
+    with pytest.raises(InvalidTypeError):
+        b.extend([1, 2])
+    assert state_of(p, b) == before
+    b.release()
+    with pytest.raises(ReleasedError):
+        b.caches[0].update_and_fetch(*t(1))
+    with pytest.raises(ReleasedError):
+        b.extract(0)
+
+
+def test_a_state_too_large_for_the_pool_raises_before_the_layer_is_emptied():
+    p = P(num_pages=3)
+    c = PagedKVCache(PageTable(p), 0)
+    c.update_and_fetch(*t(1, 4))
+    before = state_of(p, c)
+    with pytest.raises(PoolExhausted):
+        c.state = t(2, 12)
+    assert state_of(p, c) == before
+
+
+def test_bf16_pages_with_the_default_affine_codec_keep_values_beyond_fp16_range():
+    p = P(dtype=mx.bfloat16, head_dim=64, k_codec=AffineQuant(8, 64), v_codec=AffineQuant(8, 64))
+    c = PagedKVCache(PageTable(p), 0)
+    k = mx.full((1, 1, 1, 64), 7e4, dtype=mx.bfloat16)
+    c.update_and_fetch(k, k)
+    got = c.state[0].astype(mx.float32)
+    assert not mx.isnan(got).any().item()
+    assert mx.allclose(got, k.astype(mx.float32), rtol=1e-2).item()
