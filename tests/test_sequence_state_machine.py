@@ -13,6 +13,7 @@ was (or, for a failed step, as before the step); every released or moved cache r
 import hypothesis.strategies as st
 import mlx.core as mx
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -315,5 +316,5 @@ class QuantizedSequences(Sequences):
 
 TestSequences = Sequences.TestCase
 TestSequences.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
-TestQuantizedSequences = QuantizedSequences.TestCase
+TestQuantizedSequences = pytest.mark.slow(QuantizedSequences.TestCase)
 TestQuantizedSequences.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
