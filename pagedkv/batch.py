@@ -84,8 +84,9 @@ class PagedBatch:
             raise ReleasedError("batch used after release()")
 
     def _row(self, row: object) -> int:
-        return check_int("row", row, minimum=0, maximum=len(self.rows) - 1) if self.rows else \
+        if not self.rows:
             _no_rows(f"row {row!r}")
+        return check_int("row", row, minimum=0, maximum=len(self.rows) - 1)
 
     # ------------------------------------------------------------------ rows join / leave
     def extend(self, prompt_cache: PagedPromptCache) -> int:
@@ -122,7 +123,7 @@ class PagedBatch:
         offsets = self._offsets[:, row]
         self._offsets = np.delete(self._offsets, row, axis=1)
         self._changed()
-        PagedSequence([table])
+        PagedSequence([table])  # a fresh owner; the layers built below join it
         caches = []
         for layer, off in enumerate(offsets.tolist()):
             c = PagedKVCache(table, layer)

@@ -116,7 +116,7 @@ class PagedKVCache:
             rows, slots = self.table.write_index(start, keys.shape[2])
             self.pool.write(self.layer, rows, slots, keys[0], values[0])
         except BaseException:
-            sequence.rollback_step()
+            sequence.abort_write(self)
             raise
         self.offset = start + keys.shape[2]
         self._last_start = self.visible_start(start)
@@ -349,7 +349,7 @@ class PagedPromptCache(list):
         """A second sequence sharing all pages so far (copy-on-write on the next write)."""
         self.sequence.check_alive()
         new_tables = {id(t): t.fork() for t in self.tables}
-        PagedSequence(list(new_tables.values()))
+        PagedSequence(list(new_tables.values()))  # the new layers join it through their tables
         out = []
         for c in self:
             nc = type(c)(new_tables[id(c.table)], c.layer)
@@ -436,5 +436,5 @@ def make_paged_cache(
             raise InvalidValueError(f"pool has {target.num_layers} layers; the model needs more")
         caches.append((table, layer, target))
     tables = ([full_table] if full_table is not None else []) + list(sliding_tables.values())
-    PagedSequence(tables)
+    PagedSequence(tables)  # claims the tables; each layer's cache below joins it through its table
     return PagedPromptCache([cache_class_for(target)(table, layer) for table, layer, target in caches])

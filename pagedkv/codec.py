@@ -63,14 +63,14 @@ class FullPrecision:
         return str(self.dtype).split(".")[-1]
 
 
-def _bits(instance, attribute, value) -> None:
-    if value not in QUANT_BITS:
-        raise NotSupportedError(f"bits must be one of {QUANT_BITS}, got {value!r}")
+def one_of(allowed: tuple, error: type[Exception] = NotSupportedError):
+    """An attrs validator: the value must be one of ``allowed`` (bools never are)."""
 
+    def check(instance, attribute, value) -> None:
+        if isinstance(value, bool) or value not in allowed:
+            raise error(f"{attribute.name} must be one of {allowed}, got {value!r}")
 
-def _group(instance, attribute, value) -> None:
-    if value not in GROUP_SIZES:
-        raise NotSupportedError(f"group_size must be one of {GROUP_SIZES}, got {value!r}")
+    return check
 
 
 def _scale_dtype(instance, attribute, value) -> None:
@@ -84,8 +84,8 @@ class AffineQuant:
     which is what mlx-lm's ``QuantizedKVCache`` stores (``mx.quantize`` of the model's
     K/V), so outputs match it and a quantised step returns the model's dtype."""
 
-    bits: int = attrs.field(validator=_bits)
-    group_size: int = attrs.field(default=64, validator=_group)
+    bits: int = attrs.field(validator=one_of(QUANT_BITS))
+    group_size: int = attrs.field(default=64, validator=one_of(GROUP_SIZES))
     scale_dtype: mx.Dtype | None = attrs.field(default=None, validator=_scale_dtype)
 
     quantized = True

@@ -57,10 +57,6 @@ DEFAULT_CACHE_LIMIT = 1 << 30
 than that maps fresh OS memory; bench/RESULTS.md has the measurement."""
 
 
-def _check_positive(name: str, value: object) -> int:
-    return check_int(name, value, minimum=1)
-
-
 def device_memory_bytes() -> int:
     """Bytes of memory the default device can hold: MLX's memory limit, which defaults
     to the device's recommended working set (physical memory on a CPU)."""
@@ -108,11 +104,11 @@ class PagePool:
         v_codec: PageCodec | None = None,
         sync_before_rewrite: bool | None = None,
     ) -> None:
-        self.num_layers = _check_positive("num_layers", num_layers)
-        self.num_kv_heads = _check_positive("num_kv_heads", num_kv_heads)
-        self.head_dim = _check_positive("head_dim", head_dim)
-        self.v_head_dim = _check_positive("v_head_dim", v_head_dim if v_head_dim is not None else head_dim)
-        self.page_size = _check_positive("page_size", page_size)
+        self.num_layers = check_int("num_layers", num_layers, minimum=1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.v_head_dim = check_int("v_head_dim", head_dim if v_head_dim is None else v_head_dim, minimum=1)
+        self.page_size = check_int("page_size", page_size, minimum=1)
         if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
             raise KvDTypeError(f"dtype must be an MLX floating dtype, got {dtype!r}")
         self.dtype = dtype
@@ -124,7 +120,7 @@ class PagePool:
         if (num_pages is None) == (max_bytes is None):
             raise InvalidValueError("give exactly one of num_pages and max_bytes")
         if num_pages is None:
-            num_pages = int(_check_positive("max_bytes", max_bytes) // per_page)
+            num_pages = int(check_int("max_bytes", max_bytes, minimum=1) // per_page)
             if num_pages < 2:
                 raise InvalidValueError(f"max_bytes={max_bytes} holds fewer than 2 pages of {per_page} bytes")
         self.num_pages = check_int("num_pages", num_pages, minimum=2)  # the null page + one usable

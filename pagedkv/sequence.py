@@ -56,10 +56,13 @@ class PagedSequence:
             t.sequence = self
         self.caches: list[PagedKVCache] = []
         self._moved: str | None = None  # why the tables are gone, once moved out
-        self._step: dict[int, int] | None = None  # id(table) -> its length before the step
-        self._journal: list = []  # (table, UndoRecord) of the open step, in reservation order
-        self._saved: dict[int, tuple] = {}  # id(cache) -> (cache, its state before the step)
-        self._writers = 0  # layers that write the open step
+        # The open step (none while the journal is empty): the tables it grew, each with
+        # its UndoRecord, in reservation order; where it started; the positions of the
+        # layers that wrote it so far; how many layers write it in all.
+        self._journal: list = []
+        self._step_start = 0
+        self._saved: dict[int, tuple] = {}  # id(cache) -> (cache, its position before)
+        self._writers = 0
 
     # ------------------------------------------------------------------ lifetime
     def check_alive(self) -> None:
@@ -109,11 +112,14 @@ class PagedSequence:
                     "layers of one sequence must advance together"
                 )
             self._open_step(start, count)
-        elif self._step is None or start < self._step.get(id(table), start + 1):
+        elif not self._in_step(table) or start < self._step_start:
             table.prepare_write(start, count)  # a rewrite: copy-on-write of shared pages
             return
         if id(cache) not in self._saved:  # a layer of the open step: saved for rollback
             self._saved[id(cache)] = (cache, cache.save_position())
+
+    def _in_step(self, table: PageTable) -> bool:
+        return any(t is table for t, _ in self._journal)
 
     def _open_step(self, start: int, count: int) -> None:
         growing = [t for t in self.tables if t.num_tokens == start]
@@ -129,34 +135,36 @@ class PagedSequence:
             records: list = []
             t.prepare_write(start, count, undo=records)
             self._journal.append((t, records[0]))
-        self._step = {id(t): start for t in growing}
-        self._writers = sum(1 for c in self.caches if id(c.table) in self._step)
+        self._step_start = start
+        self._writers = sum(1 for c in self.caches if self._in_step(c.table))
 
     def finished_write(self) -> None:
         """Close the step once every layer of the tables it grew has written it."""
-        if self._step is not None and len(self._saved) >= self._writers:
+        if self._journal and len(self._saved) >= self._writers:
             self._close_step()
 
     def _close_step(self) -> None:
         """The step stands: tables give up the pages they copied away from or dropped."""
         for table, record in self._journal:
             table.commit(record)
-        self._journal = []
-        self._step = None
-        self._saved = {}
+        self._forget_step()
 
-    def rollback_step(self) -> None:
-        """Undo the open step (a later layer failed): layers and tables exactly as before
-        it, page ids and reference counts included."""
-        if self._step is None:
+    def abort_write(self, cache: PagedKVCache) -> None:
+        """``cache``'s write failed. If it is a layer of the open step that has not
+        written it yet, undo the step: layers and tables exactly as before it, page ids
+        and reference counts included. Any other failed write changed nothing."""
+        if not self._in_step(cache.table) or id(cache) in self._saved:
             return
-        for cache, position in self._saved.values():
-            cache.restore_position(position)
+        for layer, position in self._saved.values():
+            layer.restore_position(position)
         for table, record in reversed(self._journal):  # the free list's order returns too
             table.undo(record)
+        self._forget_step()
+
+    def _forget_step(self) -> None:
         self._journal = []
-        self._step = None
         self._saved = {}
+        self._writers = 0
 
     def trim_tables(self) -> None:
         """Shrink each table to its furthest layer (after layers trimmed)."""

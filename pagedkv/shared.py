@@ -27,7 +27,7 @@ import attrs
 import mlx.core as mx
 
 from pagedkv.attention import quantized_attention
-from pagedkv.codec import GROUP_SIZES, QUANT_BITS
+from pagedkv.codec import GROUP_SIZES, QUANT_BITS, one_of
 from pagedkv.errors import InvalidValueError, KvShapeError, ReleasedError
 from pagedkv.view import KvAttentionView
 
@@ -86,20 +86,6 @@ def _check_triple(instance, attribute, value) -> None:
                            f"[B, kv_heads, L, D/group_size], got {[tuple(x.shape) for x in value]}")
 
 
-def _check_bits(instance, attribute, value) -> None:
-    if value is None and attribute.name.startswith("v_"):
-        return
-    if isinstance(value, bool) or value not in QUANT_BITS:
-        raise InvalidValueError(f"{attribute.name} must be one of {QUANT_BITS}, got {value!r}")
-
-
-def _check_group(instance, attribute, value) -> None:
-    if value is None and attribute.name.startswith("v_"):
-        return
-    if isinstance(value, bool) or value not in GROUP_SIZES:
-        raise InvalidValueError(f"{attribute.name} must be one of {GROUP_SIZES}, got {value!r}")
-
-
 def _same_tokens(keys_shape: tuple, values_shape: tuple) -> None:
     if keys_shape[:3] != values_shape[:3]:
         raise KvShapeError(f"keys {keys_shape} and values {values_shape} differ in batch, kv heads or length")
@@ -153,12 +139,14 @@ class PlainKv(_SharedKvBase):
 class QuantKv(_SharedKvBase):
     keys: tuple[mx.array, mx.array, mx.array] = attrs.field(validator=_check_triple)
     values: tuple[mx.array, mx.array, mx.array] = attrs.field(validator=_check_triple)
-    bits: int = attrs.field(validator=_check_bits)
-    group_size: int = attrs.field(validator=_check_group)
+    bits: int = attrs.field(validator=one_of(QUANT_BITS, InvalidValueError))
+    group_size: int = attrs.field(validator=one_of(GROUP_SIZES, InvalidValueError))
     offset: int = attrs.field(validator=_check_offset)
     offset_arr: Optional[mx.array] = attrs.field(default=None, converter=_owned_positions)
-    v_bits: Optional[int] = attrs.field(default=None, validator=_check_bits)  # values' bits (k8v4)
-    v_group_size: Optional[int] = attrs.field(default=None, validator=_check_group)
+    v_bits: Optional[int] = attrs.field(  # values' bits when they differ (k8v4)
+        default=None, validator=attrs.validators.optional(one_of(QUANT_BITS, InvalidValueError)))
+    v_group_size: Optional[int] = attrs.field(
+        default=None, validator=attrs.validators.optional(one_of(GROUP_SIZES, InvalidValueError)))
     _lease: _Lease = attrs.field(factory=_Lease, init=False, repr=False, eq=False)
     kind: Literal["quant"] = attrs.field(default="quant", init=False)
 

@@ -220,19 +220,20 @@ class PageTable:
         """First token position whose page is still held (0 without a window)."""
         return self._dropped * self.pool.page_size
 
-    def max_rewind(self, length: int) -> int:
-        """How many of the first ``length`` tokens can be un-written (trimmed) so that
-        a query at the new end still finds every key of its window held.
-
-        Without a window, or before any page was dropped: all of them.
-        """
+    def _min_rewind_length(self) -> int:
+        """The shortest length a layer may go back to: a query there must still find
+        every key of its window held (0 without a window or before any page dropped)."""
         if self.window is None or self._dropped == 0:
-            return length
-        return max(0, length - (self.first_visible() + self.window - 1))
+            return 0
+        return self.first_visible() + self.window - 1
+
+    def max_rewind(self, length: int) -> int:
+        """How many of the first ``length`` tokens can be un-written (trimmed)."""
+        return max(0, length - self._min_rewind_length())
 
     def check_rewind(self, new_length: int) -> None:
         """Raise ``TrimError`` unless a layer may go back to ``new_length`` tokens."""
-        if self.window is not None and self._dropped and new_length - self.window + 1 < self.first_visible():
+        if new_length < self._min_rewind_length():
             raise TrimError(
                 f"cannot go back to {new_length} tokens: a query there sees keys from "
                 f"{max(0, new_length - self.window + 1)}, but pages before token "

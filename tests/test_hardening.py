@@ -370,3 +370,16 @@ def test_bf16_pages_with_the_default_affine_codec_keep_values_beyond_fp16_range(
     got = c.state[0].astype(mx.float32)
     assert not mx.isnan(got).any().item()
     assert mx.allclose(got, k.astype(mx.float32), rtol=1e-2).item()
+
+
+def test_a_full_pool_at_a_new_step_leaves_an_unfinished_earlier_step_alone():
+    p = P(num_layers=2, num_pages=5)
+    c = make_paged_cache(SlidingThenFull(), p)
+    for layer in range(2):
+        c[layer].update_and_fetch(*t(1, 4))
+    c[0].update_and_fetch(*t(2, 4))  # layer 1 never writes this step
+    before = state_of(p, c)
+    with pytest.raises(PoolExhausted):
+        c[0].update_and_fetch(*t(3, 8))
+    assert state_of(p, c) == before
+    assert keys_of(c[0]) == [1, 1, 1, 1, 2, 2, 2, 2]
