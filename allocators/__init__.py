@@ -18,7 +18,7 @@ from allocators.errors import (
 from allocators.free_list import FreeListAllocator
 from allocators.protocol import AllocatorStats, BlockAllocator, PageState
 from allocators.sorted import SortedAllocator
-from allocators.state_table import NULL_PAGE, RefCountingAllocator
+from allocators.refcounting import NULL_PAGE, RefCountingAllocator
 
 __all__ = [
     "AllocatorError",

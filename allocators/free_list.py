@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from allocators.state_table import RefCountingAllocator
+from allocators.refcounting import RefCountingAllocator
 
 
 class FreeListAllocator(RefCountingAllocator):

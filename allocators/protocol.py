@@ -19,7 +19,7 @@ nothing about the arrays those ids index. Every page is in exactly one state::
 from __future__ import annotations
 
 import enum
-from typing import Protocol, Sequence, Union, runtime_checkable
+from typing import Callable, Protocol, Sequence, Union, runtime_checkable
 
 import attrs
 import numpy as np
@@ -64,11 +64,22 @@ class BlockAllocator(Protocol):
     """What pagedkv (and ``python -m allocators.stress``) needs from an allocator.
 
     Every mutating call is atomic: it either succeeds completely or raises a typed
-    error from :mod:`allocators.errors` and leaves the allocator unchanged.
+    error from :mod:`allocators.errors` and leaves the allocator unchanged. A pool
+    (``pagedkv.PagePool(allocator=...)``) also needs the reserved null page and the
+    prefix-cache calls (``touch``, ``set_cacheable``, the CACHED state and
+    ``evict_listeners``); :class:`RefCountingAllocator` implements all of it, and
+    ``tests/test_allocator_protocol.py`` runs a user class through the same checks.
     """
+
+    evict_listeners: list[Callable[[list[int]], None]]
+    """Called, in order, with the ids of CACHED pages just evicted to FREE."""
 
     @property
     def num_pages(self) -> int: ...
+
+    @property
+    def null_page(self) -> int | None:
+        """The reserved page id (never handed out), or None."""
 
     def allocate(self, n: int) -> np.ndarray:
         """Hand out ``n`` pages with reference count 1 (int64 ids), or raise ``PoolExhausted``."""
@@ -82,7 +93,24 @@ class BlockAllocator(Protocol):
     def fork(self, ids: PageIds) -> np.ndarray:
         """Share ``ids`` with a new owner (incref) and return them as a new array."""
 
+    def touch(self, ids: PageIds) -> None:
+        """Take one reference on each page, reviving CACHED pages (a prefix hit)."""
+
+    def set_cacheable(self, ids: PageIds, cacheable: bool = True) -> None:
+        """Mark in-use pages so that their last decref sends them to CACHED, not FREE."""
+
+    def is_cacheable(self, page: int) -> bool: ...
+
+    def refcount(self, page: int) -> int: ...
+
+    def page_state(self, page: int) -> PageState: ...
+
+    def checked_ids(self, ids: PageIds) -> np.ndarray:
+        """``ids`` as int64 page ids, or a typed error for bad ids (nothing changes)."""
+
     def num_free(self) -> int: ...
+
+    def num_cached(self) -> int: ...
 
     def num_available(self) -> int: ...
 

@@ -14,7 +14,7 @@ import numpy as np
 from sortedcontainers import SortedList
 
 from allocators.errors import PoolExhausted
-from allocators.state_table import RefCountingAllocator, _require_count
+from allocators.refcounting import RefCountingAllocator, _require_count
 
 
 class SortedAllocator(RefCountingAllocator):

@@ -237,18 +237,18 @@ class Soak:
         return c
 
     def _tables(self) -> tuple:
-        tables = [t for cache in self.seqs for t in cache.tables] + list(self.batch.rows)
+        tables = [t for cache in self.seqs for t in cache.tables] + list(self.batch.tables())
         return _tables_state(tables)
 
     def _leaked(self) -> int:
         """References held beyond what live tables and views account for."""
         counts = np.zeros(self.pool.num_pages, dtype=np.int64)
-        for t in [t for cache in self.seqs for t in cache.tables] + list(self.batch.rows):
+        for t in [t for cache in self.seqs for t in cache.tables] + list(self.batch.tables()):
             np.add.at(counts, t.pages[t._dropped:], 1)
         for v in self.views:
             np.add.at(counts, v._held, 1)
-        for cache in self.seqs:  # a step some layers have not finished keeps what it replaced
-            for _, record in cache.sequence._journal:
+        for rows in [c.rows for c in self.seqs] + [self.batch.rows]:  # a step some layers have
+            for _, record in rows._journal:  # not finished keeps what it replaced
                 np.add.at(counts, record.owed, 1)
         return int((self.pool.allocator._refcount != counts).sum())
 

@@ -166,7 +166,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
             if prefix is not None:
                 for i, r in enumerate(running):
                     if r.done:
-                        prefix.register(batch.rows[i], r.prompt + r.generated)
+                        prefix.register(batch.tables()[i], r.prompt + r.generated)
             finished += [r for r in running if r.done]
             batch.filter(keep)
             running = [running[i] for i in keep]
@@ -174,7 +174,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
         st = pool.allocator.stats()
         usage.append((st.in_use, st.cached, st.free))
         live.append(sum(batch.lengths))
-        reserved.append(sum(t.num_pages for t in batch.rows))
+        reserved.append(sum(t.num_pages for t in batch.tables()))
         step += 1
         if progress and (step % 5 == 0 or not (waiting or running)):
             print(f"\rstep {step:5d}  done {len(finished):4d}  running {len(running):3d}  "

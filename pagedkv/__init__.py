@@ -2,7 +2,10 @@
 
 - :class:`PagePool`: the physical K/V pages of all layers (the only writer).
 - :class:`PageTable`: one sequence's pages and length; reserve / trim / fork / release.
-- :class:`PagedKVCache`, :func:`make_paged_cache`: mlx-lm's cache protocol on pages.
+- :class:`RowSet`: the engine under every cache: B rows' tables, per-layer positions, steps.
+- :class:`PagedKVCache`, :func:`make_paged_cache`: mlx-lm's cache protocol on pages (one
+  row); :class:`PagedBatch`: B rows decoded together; :func:`route_attention`: mlx-lm's
+  attention reads the pages directly.
 - :class:`KvAttentionView`, :data:`SharedKv` (:class:`PlainKv`, :class:`QuantKv`,
   :class:`ViewKv`), :class:`ForwardPass`, :class:`KvSharingPlan`: the donor/sharer contract.
 - :class:`DonorCache`: run an mlx-lm model through a ForwardPass; :class:`DrafterKv`:
@@ -11,7 +14,8 @@
 
 from allocators import PoolExhausted
 from pagedkv.batch import PagedBatch, PagedBatchKVCache
-from pagedkv.cache import PagedKVCache, PagedPromptCache, PagedQuantizedKVCache, make_paged_cache
+from pagedkv.attention_routing import route_attention
+from pagedkv.cache import PagedKVCache, PagedPromptCache, layout_for, make_paged_cache
 from pagedkv.codec import AffineQuant, FullPrecision, RotatedAffineQuant, rotated
 from pagedkv.donor_cache import DonorCache, donor_caches
 from pagedkv.drafter import DrafterKv
@@ -30,7 +34,7 @@ from pagedkv.forward_pass import ForwardPass
 from pagedkv.pool import PagePool, raise_cache_limit
 from pagedkv.prefix import PrefixCache, PrefixStats
 from pagedkv.scheduling import can_admit, pages_for, preempt
-from pagedkv.sequence import PagedSequence
+from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.sharing_plan import KvSharingPlan
 from pagedkv.table import PageTable
@@ -46,7 +50,8 @@ __all__ = [
     "PagedBatchKVCache",
     "AffineQuant",
     "FullPrecision",
-    "PagedQuantizedKVCache",
+    "route_attention",
+    "layout_for",
     "RotatedAffineQuant",
     "rotated",
     "DonorCache",
@@ -73,7 +78,9 @@ __all__ = [
     "PoolExhausted",
     "ReleasedError",
     "TrimError",
-    "PagedSequence",
+    "LayerLayout",
+    "RowSet",
+    "TableSpec",
     "make_paged_cache",
     "raise_cache_limit",
 ]

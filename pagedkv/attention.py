@@ -1,25 +1,29 @@
-"""Attention over gathered page components: the one place that dispatches on page kind.
+"""Attention over paged K/V: the one entry point that chooses how to compute it.
 
-- full precision K and V: ``mx.fast.scaled_dot_product_attention`` (exact).
+``attend_parts(q, k_parts, v_parts, scale, mask, kind)`` serves every reader (the
+caches' routed attention, batches, ``KvAttentionView``, ``DonorCache`` sharers) from
+the gathered page components:
+
+- plain pages: ``mx.fast.scaled_dot_product_attention`` (exact).
 - affine-quantised K and/or V: quantised matmuls on the packed pages (the context is
   never dequantised as a whole); mlx-lm's ``quantized_scaled_dot_product_attention`` is
   the numerical reference, but unlike it this never scales the caller's query in place.
 - rotated K (TurboQuant): the query is rotated to match (R is orthogonal, so q·k is kept).
 - rotated V: attention runs on rotated values; the *output* is un-rotated once per query
   row (deferred-V), which equals un-rotating every cached value (attention is linear in V).
+
+The CUDA decode kernel reads the pool without a gather; callers that hold a page table
+(``pagedkv.row_set``, ``pagedkv.view``) try ``decode_kernel`` first, which returns None
+when the kernel does not apply.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-from pagedkv.codec import FullPrecision
-
-
-def is_plain(k_codec, v_codec, dtype: mx.Dtype) -> bool:
-    """Pages that hold exactly the values attention wants (no decoding needed)."""
-    return (isinstance(k_codec, FullPrecision) and isinstance(v_codec, FullPrecision)
-            and k_codec.dtype == dtype and v_codec.dtype == dtype)
+from pagedkv.errors import InvalidValueError
+from pagedkv.kernels import paged_decode
+from pagedkv.page_kind import PageKind
 
 
 def _mask_scores(scores: mx.array, mask, n_repeats: int) -> mx.array:
@@ -27,7 +31,7 @@ def _mask_scores(scores: mx.array, mask, n_repeats: int) -> mx.array:
         return scores
     if isinstance(mask, str):
         if mask != "causal":
-            raise ValueError(f"unknown mask {mask!r}")
+            raise InvalidValueError(f"unknown mask {mask!r}")
         q_len, k_len = scores.shape[-2:]
         mask = mx.arange(k_len - q_len, k_len)[:, None] >= mx.arange(k_len)[None]
     elif n_repeats > 1 and mask.ndim > 3:
@@ -59,31 +63,33 @@ def quantized_attention(q: mx.array, k_parts, v_parts, scale: float, mask, *, k_
     return out
 
 
-def decode_kv(k_parts, v_parts, k_codec, v_codec, dtype: mx.Dtype,
-              unrotate_values: bool = True) -> tuple[mx.array, mx.array]:
-    """``dtype`` K/V from gathered components; keys always un-rotated, values if asked."""
-    k = k_codec.decode(k_parts, dtype)
-    if k_codec.rotated:
-        k = k_codec.unrotate(k)
-    v = v_codec.decode(v_parts, dtype)
-    if v_codec.rotated and unrotate_values:
-        v = v_codec.unrotate(v)
-    return k, v
-
-
-def attend_parts(q: mx.array, k_parts, v_parts, scale: float, mask, k_codec, v_codec) -> mx.array:
+def attend_parts(q: mx.array, k_parts, v_parts, scale: float, mask, kind: PageKind) -> mx.array:
     """Attention over one page kind's gathered components (see module doc)."""
-    if is_plain(k_codec, v_codec, q.dtype):
+    kc, vc = kind.k_codec, kind.v_codec
+    if kind.plain and q.dtype == kind.dtype:
         return mx.fast.scaled_dot_product_attention(q, k_parts[0], v_parts[0], scale=scale, mask=mask)
-    if k_codec.rotated:
-        q = k_codec.rotate(q)
-    if k_codec.quantized and v_codec.quantized:
-        out = quantized_attention(q, k_parts, v_parts, scale, mask, k_bits=k_codec.bits,
-                                  k_group=k_codec.group_size, v_bits=v_codec.bits, v_group=v_codec.group_size)
+    if kc.rotated:
+        q = kc.rotate(q)
+    if kc.quantized and vc.quantized:
+        out = quantized_attention(q, k_parts, v_parts, scale, mask, k_bits=kc.bits,
+                                  k_group=kc.group_size, v_bits=vc.bits, v_group=vc.group_size)
     else:
-        k = k_codec.decode(k_parts, q.dtype)
-        v = v_codec.decode(v_parts, q.dtype)
+        k = kc.decode(k_parts, q.dtype)
+        v = vc.decode(v_parts, q.dtype)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-    if v_codec.rotated:
-        out = v_codec.unrotate(out)
+    if vc.rotated:
+        out = vc.unrotate(out)
     return out.astype(q.dtype)
+
+
+def decode_kernel(q: mx.array, kind: PageKind, k_pool: mx.array, v_pool: mx.array, table: mx.array,
+                  starts: mx.array, lengths: mx.array, scale: float, num_pages: int,
+                  page_size: int) -> mx.array | None:
+    """The CUDA kernel's attention of one query per row over the pages in ``table``
+    (tokens [starts, lengths) of each row, counted from its first listed page), or None
+    when the kernel does not apply here (CPU, a quantised pool, a prefill, a head size
+    or GQA group it does not take)."""
+    if not kind.decode_kernel or not paged_decode.fits(q, k_pool.shape[0] // num_pages, kind.dtype):
+        return None
+    return paged_decode.paged_decode(q, k_pool, v_pool, table, lengths, starts, scale,
+                                     num_pages=num_pages, page_size=page_size)

@@ -1,23 +1,26 @@
-"""``PagedKVCache``: mlx-lm's per-layer cache protocol on top of a ``PagePool``.
+"""``PagedKVCache``: mlx-lm's per-layer cache protocol, the one-row face of a ``RowSet``.
 
-One ``PagedKVCache`` per layer; all layers of a sequence (of one attention kind) share
-one ``PageTable``, since a page id names the same slot in every layer of the pool::
+One ``PagedKVCache`` per layer of one sequence; all of them face the same ``RowSet``
+(:mod:`pagedkv.row_set`), which owns the sequence's page tables (one per attention
+kind: full, and each sliding window) and does the work::
 
     make_paged_cache(model, pool) -> PagedPromptCache [cache_0, cache_1, ...]
-                                        │ layer i of the pool
-                                        └── table (shared by the layers of the sequence)
+                                        │ each: (row set, layer)
+                                        └── RowSet: tables, [layer, row] offsets, steps
 
-The first layer to see a step reserves the step's slots in the table; every layer
-then writes its own K/V there (``PagePool.write``, the single write path) and reads its
-K/V back with one gather. With a sliding window the cache returns only the keys a
-query can still see and drops the rest from the table, so memory stays bounded.
+``update_and_fetch`` writes the step's K/V into the pages (the first layer of a step
+reserves pages for every layer, atomically) and returns the keys the step's queries
+may see. With ``route_attention(model)`` (done by ``make_paged_cache``) mlx-lm's
+attention calls ``attend`` instead, which reads the pages directly: the CUDA kernel on
+a GPU, quantised matmuls on packed pages; the returned K/V are then never computed.
 
-Ownership: the ``PagedPromptCache`` owns its tables; ``release()`` gives their pages
-back (once). Per-layer caches own nothing but their ``offset``.
+Ownership: the ``PagedPromptCache`` owns the row set; ``release()`` gives its pages back
+(once). Per-layer caches own nothing.
 
 Protocol (mlx-lm 0.32): ``update_and_fetch``, ``offset``, ``make_mask``, ``state`` (get
-and set), ``from_state``, ``is_trimmable``, ``trim``, ``size``, ``empty``, ``nbytes``, and
-``keys_and_values`` for KV-sharing layers (gemma3n).
+and set), ``from_state``, ``is_trimmable``, ``trim``, ``size``, ``empty``, ``nbytes``,
+``keys_and_values`` for KV-sharing layers (gemma3n); ``bits``/``group_size`` on
+affine-quantised pages with one codec for K and V (mlx-lm's quantised attention path).
 """
 
 from __future__ import annotations
@@ -25,182 +28,150 @@ from __future__ import annotations
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
-from pagedkv.attention import decode_kv, is_plain
-from pagedkv.codec import AffineQuant
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
-    KvDTypeError,
     KvShapeError,
     NotSupportedError,
     PoolExhausted,
     ReleasedError,
     check_int,
 )
-from pagedkv.mask import attention_mask
 from pagedkv.pool import PagePool
-from pagedkv.sequence import PagedSequence
-from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
+from pagedkv.row_set import LayerLayout, RowSet, TableSpec
+from pagedkv.shared import SharedKv
 from pagedkv.table import PageTable
-from pagedkv.view import KvAttentionView
+from pagedkv.visibility import attention_mask, window_start
 
 
-class PagedKVCache:
-    """One layer of one sequence: (pool layer, the sequence's table for this layer's
-    attention kind, own offset). Its ``PagedSequence`` coordinates the layers' steps."""
+class LayerFace:
+    """What the one-row and the batched face share: one layer of a ``RowSet``."""
 
-    def __init__(self, table: PageTable, layer: int) -> None:
-        if not isinstance(table, PageTable):
-            raise InvalidTypeError(f"table must be a PageTable, got {type(table).__name__}")
-        layer = check_int("layer", layer, minimum=0, maximum=table.pool.num_layers - 1)
-        if table.released:
-            raise ReleasedError("cannot build a cache on a released page table")
-        self.table = table
-        self.pool = table.pool
+    reads_pages = True  # route_attention sends mlx-lm's attention to ``attend``
+    exact = True  # keys returned exactly (one row) or page-aligned per row (a batch)
+
+    def __init__(self, rows: RowSet, layer: int) -> None:
+        self.rows = rows
         self.layer = layer
-        self.offset = 0
-        self._last_start = 0  # first key position returned by the last fetch
-        self._step_start = 0  # offset before the last write (the step's RoPE start)
-        self.sequence = table.sequence if table.sequence is not None else PagedSequence([table])
-        self.sequence.caches.append(self)
+        self.pool_layer = rows.layout.layers[layer][1]
+        self.pool = rows.pool_of(layer)
+        self._kernel_mask = None  # the mask make_mask last returned, if it adds no window
+        kind = self.pool.kind
+        if kind.mlx_quantized:  # mlx-lm dispatches on hasattr(cache, "bits")
+            self.bits = kind.k_codec.bits
+            self.group_size = kind.k_codec.group_size
 
     @property
     def window(self) -> int | None:
-        return self.table.window
+        return self.rows.spec_of(self.layer).window
 
-    def save_position(self) -> tuple[int, int, int]:
-        return self.offset, self._last_start, self._step_start
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Append [B, kv_heads, T, D] keys/values; return the keys/values this step's
+        queries may see (float K/V, or packed triples on ``bits`` caches)."""
+        self.rows.write(self.layer, keys, values)
+        return self.pool.kind.model_inputs(*self.rows.read(self.layer, exact=self.exact))
 
-    def restore_position(self, position: tuple[int, int, int]) -> None:
-        self.offset, self._last_start, self._step_start = position
+    def keys_and_values(self):
+        """What the last ``update_and_fetch`` returned (KV-sharing layers read this)."""
+        self.rows.check_alive()
+        if not self.rows.offsets[self.layer].any():
+            raise KvShapeError("cache is empty")
+        return self.pool.kind.model_inputs(*self.rows.read(self.layer, exact=self.exact))
 
-    # ------------------------------------------------------------------ protocol
-    def _validate(self, keys: Any, values: Any) -> None:
-        pool = self.pool
-        for name, x, d in (("keys", keys, pool.head_dim), ("values", values, pool.v_head_dim)):
-            if not isinstance(x, mx.array):
-                raise KvShapeError(f"{name} must be an mx.array, got {type(x).__name__}")
-            if x.ndim != 4:
-                raise KvShapeError(f"{name} must be [B, kv_heads, T, D], got shape {tuple(x.shape)}")
-            b, h, t, dd = x.shape
-            if b != 1:
-                raise NotSupportedError(f"PagedKVCache holds one sequence; got batch {b} (use the batched cache)")
-            if h != pool.num_kv_heads:
-                raise KvShapeError(f"{name} have {h} kv heads, the pool {pool.num_kv_heads}")
-            if dd != d:
-                raise KvShapeError(f"{name} head_dim {dd} != pool's {d}")
-            if t == 0:
-                raise KvShapeError(f"{name} have no tokens (T = 0)")
-            if x.dtype != pool.dtype:
-                raise KvDTypeError(f"{name} dtype {x.dtype} != pool dtype {pool.dtype}")
-        if keys.shape[2] != values.shape[2]:
-            raise KvShapeError(f"keys have {keys.shape[2]} tokens, values {values.shape[2]}")
+    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+        """This step's attention, read from the pages (``route_attention`` calls it in
+        place of mlx-lm's ``scaled_dot_product_attention``; see the module doc)."""
+        self.rows.check_alive()
+        ours = mask is None or mask is self._kernel_mask
+        return self.rows.attend(self.layer, queries, scale, mask, ours, self.exact)
 
-    def _check_alive(self) -> None:
-        self.sequence.check_alive()
+    def fetch_shared(self, kind: str = "view") -> SharedKv:
+        """This step's K/V as a SharedKv (call after the step's write; caller releases
+        it): see ``RowSet.shared``."""
+        return self.rows.shared(self.layer, kind)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's share of the pages held (reserved, not live)."""
+        return self.rows.nbytes(self.layer)
+
+    def is_trimmable(self) -> bool:
+        """True when at least one token can be trimmed (always without a window; with
+        one, while a query at the shortened end would still find its window held)."""
+        return not self.rows.offsets[self.layer].any() or self.max_trim() > 0
+
+    def max_trim(self) -> int:
+        """The most tokens ``trim`` accepts now."""
+        return self.rows.max_trim(self.layer)
+
+    def trim(self, n: int) -> int:
+        """Forget the last ``n`` tokens of this layer (of every row; at most what the
+        shortest holds); returns the count. Once every layer of a table went back, the
+        table frees the tail pages. ``TrimError`` (nothing changed) if a sliding window
+        already dropped keys a query at the new end would need (see ``max_trim``)."""
+        return self.rows.trim(self.layer, n)
+
+
+class PagedKVCache(LayerFace):
+    """One layer of one sequence. ``PagedKVCache(table, layer)`` makes a one-layer
+    sequence on ``table`` (layer ``layer`` of its pool); ``make_paged_cache`` builds the
+    layers of a model over one shared row set."""
+
+    def __init__(self, table: PageTable | RowSet, layer: int) -> None:
+        if isinstance(table, RowSet):
+            rows = table
+            layer = check_int("layer", layer, minimum=0, maximum=rows.layout.num_layers - 1)
+        elif isinstance(table, PageTable):
+            layer = check_int("layer", layer, minimum=0, maximum=table.pool.num_layers - 1)
+            if table.released:
+                raise ReleasedError("cannot build a cache on a released page table")
+            rows = RowSet(LayerLayout((TableSpec(table.pool, table.window),), ((0, layer),)), [[table]])
+            layer = 0
+        else:
+            raise InvalidTypeError(f"table must be a PageTable, got {type(table).__name__}")
+        super().__init__(rows, layer)
+
+    @property
+    def table(self) -> PageTable:
+        return self.rows.layer_tables(self.layer)[0]
+
+    @property
+    def offset(self) -> int:
+        return int(self.rows.offsets[self.layer, 0])
+
+    @offset.setter
+    def offset(self, value: int) -> None:
+        self.rows.offsets[self.layer, 0] = check_int("offset", value, minimum=0)
 
     def write(self, keys: mx.array, values: mx.array) -> int:
-        """Append [1, kv_heads, T, D] keys/values; returns the pre-write offset.
-
-        Validates everything before changing anything; the first layer of a step
-        reserves pages for every layer of the sequence at once, and a failing later
-        layer rolls the step back (``PagedSequence``).
-        """
-        self._check_alive()
-        sequence = self.sequence
-        start = self.offset
-        try:
-            self._validate(keys, values)
-            sequence.prepare(self, start, keys.shape[2])
-            rows, slots = self.table.write_index(start, keys.shape[2])
-            self.pool.write(self.layer, rows, slots, keys[0], values[0])
-        except BaseException:
-            sequence.abort_write(self)
-            raise
-        self.offset = start + keys.shape[2]
-        self._last_start = self.visible_start(start)
-        self._step_start = start
-        sequence.finished_write()
-        return start
+        """Append [1, kv_heads, T, D] keys/values; returns the pre-write offset."""
+        return int(self.rows.write(self.layer, keys, values)[0])
 
     def visible_start(self, first_query: int) -> int:
         """First key position a query at ``first_query`` can see (0 without a window)."""
-        return 0 if self.window is None else max(0, first_query - self.window + 1)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append [1, kv_heads, T, D] keys/values; return the keys/values attention needs.
-
-        Without a window: all tokens [0, offset + T). With a window W: tokens
-        [max(0, offset - W + 1), offset + T), which ``make_mask`` describes.
-        """
-        self.write(keys, values)
-        return self._fetch(self._last_start, self.offset)
-
-    def _gather(self, lo: int, hi: int):
-        ps = self.pool.page_size
-        first = lo // ps
-        index = self.table.read_index(first, -(-hi // ps))
-        return self.pool.gather(self.layer, index, lo - first * ps, hi - first * ps)
-
-    def _fetch(self, lo: int, hi: int):
-        """Tokens [lo, hi) as attention inputs: float K/V (decoded, un-rotated)."""
-        k_parts, v_parts = self._gather(lo, hi)
-        pool = self.pool
-        if is_plain(pool.k_codec, pool.v_codec, pool.dtype):
-            return k_parts[0], v_parts[0]
-        return decode_kv(k_parts, v_parts, pool.k_codec, pool.v_codec, pool.dtype)
-
-    def fetch_shared(self, kind: str = "view") -> SharedKv:
-        """This step's K/V as a SharedKv (call after the step's write; caller releases it).
-
-        ``view``: a KvAttentionView (any page kind; quantised pages stay packed).
-        ``plain``: float keys and values; on rotated (TurboQuant) pages the values stay
-        rotated, with ``v_rotated=True`` and ``restore_values`` captured now.
-        ``quant``: the packed (packed, scales, biases) triples; affine pages only.
-        """
-        if kind not in ("view", "plain", "quant"):
-            raise InvalidValueError(f"kind must be 'view', 'plain' or 'quant', got {kind!r}")
-        self._check_alive()
-        lo, hi = self._last_start, self.offset
-        if hi == 0:
-            raise KvShapeError("cache is empty")
-        pool = self.pool
-        if kind == "view":
-            return ViewKv(KvAttentionView.of_cache(self, start=lo), offset=self._step_start)
-        k_parts, v_parts = self._gather(lo, hi)
-        if kind == "plain":
-            k, v = decode_kv(k_parts, v_parts, pool.k_codec, pool.v_codec, pool.dtype, unrotate_values=False)
-            if pool.v_codec.rotated:
-                return PlainKv(k, v, offset=self._step_start, restore_values=pool.v_codec.unrotate,
-                               v_rotated=True)
-            return PlainKv(k, v, offset=self._step_start)
-        kc, vc = pool.k_codec, pool.v_codec
-        if not (isinstance(kc, AffineQuant) and isinstance(vc, AffineQuant)) or kc.rotated or vc.rotated:
-            raise NotSupportedError("quant SharedKv needs affine-quantised, unrotated K and V pages")
-        return QuantKv(k_parts, v_parts, bits=kc.bits, group_size=kc.group_size, offset=self._step_start,
-                       v_bits=vc.bits, v_group_size=vc.group_size)
-
-    def keys_and_values(self) -> tuple[mx.array, mx.array]:
-        """What the last ``update_and_fetch`` returned (KV-sharing layers read this)."""
-        self._check_alive()
-        if self.offset == 0:
-            raise KvShapeError("cache is empty")
-        return self._fetch(self._last_start, self.offset)
+        return window_start(first_query, self.window)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The mask matching the keys the next ``update_and_fetch(N tokens)`` returns."""
-        self._check_alive()
+        self.rows.check_alive()
+        offset = self.offset
         if self.window is None:
-            return attention_mask(N, self.offset, return_array, window_size)
-        lo = max(0, self.offset - self.window + 1)
+            mask = attention_mask(N, offset, return_array, window_size)
+            self._kernel_mask = mask if window_size is None else None
+            return mask
+        lo = window_start(offset, self.window)
         window = window_size or self.window
-        local = self.offset - lo
+        local = offset - lo
         if N == 1 and window >= local + 1 and not return_array:
-            return None
-        if local + N > window or return_array:
-            return attention_mask(N, local, True, window)
-        return "causal"
+            mask = None
+        elif local + N > window or return_array:
+            mask = attention_mask(N, local, True, window)
+        else:
+            mask = "causal"
+        self._kernel_mask = mask if window == self.window else None
+        return mask
 
     def size(self) -> int:
         return self.offset if self.window is None else min(self.offset, self.window)
@@ -209,44 +180,14 @@ class PagedKVCache:
         return self.offset == 0
 
     @property
-    def nbytes(self) -> int:
-        """Bytes of this layer's share of the pages the sequence holds (reserved, not live)."""
-        return self.table.num_pages * self.pool.bytes_per_page_per_layer
-
-    def is_trimmable(self) -> bool:
-        """True when at least one token can be trimmed (always without a window; with
-        one, while a query at the shortened end would still find its window held)."""
-        return self.offset == 0 or self.max_trim() > 0
-
-    def max_trim(self) -> int:
-        """The most tokens ``trim`` accepts now."""
-        return self.table.max_rewind(self.offset)
-
-    def trim(self, n: int) -> int:
-        """Forget the last ``n`` tokens of this layer (at most ``offset``); returns the
-        count trimmed. Once every layer sharing the table has trimmed, the table frees the
-        tail pages. Raises ``TrimError`` and changes nothing if a sliding window already
-        dropped keys a query at the new end would need (see ``max_trim``).
-        """
-        self._check_alive()
-        n = min(self.offset, check_int("n", n, minimum=0))
-        if n == 0:
-            return 0
-        self.table.check_rewind(self.offset - n)
-        self.offset -= n
-        self._last_start = min(self._last_start, self.offset)
-        self._step_start = min(self._step_start, self.offset)
-        self.sequence.trim_tables()
-        return n
-
-    @property
     def state(self) -> tuple[mx.array, mx.array]:
         """Owned contiguous float copies of this layer's K/V, [1, kv_heads, offset, D]
         (decoded from quantised pages; setting them re-encodes)."""
-        self._check_alive()
+        self.rows.check_alive()
         if self.offset == 0:
             raise KvShapeError("cache is empty")
-        k, v = PagedKVCache._fetch(self, self.table.first_visible(), self.offset)
+        lo = np.array([self.table.first_visible()])
+        k, v = self.pool.kind.decode(*self.rows.read(self.layer, lo, self.rows.offsets[self.layer]))
         mx.eval(k, v)
         return k, v
 
@@ -257,12 +198,14 @@ class PagedKVCache:
         The other layers of the sequence must be empty or hold exactly L tokens, and the
         sequence's pages must not be shared (a fork or a view would see the overwrite).
         """
-        self._check_alive()
+        rows = self.rows
+        rows.check_alive()
         keys, values = kv[0], kv[1]
-        self._validate(keys, values)
+        rows._validate(self.layer, keys, values)
         length = keys.shape[2]
         table = self.table
-        others = max((c.offset for c in self.sequence.members(table) if c is not self), default=0)
+        spec = rows.layout.layers[self.layer][0]
+        others = max((int(rows.offsets[i, 0]) for i in rows.layers_of(spec) if i != self.layer), default=0)
         if others and others != length:
             raise NotSupportedError(
                 f"the sequence's other layers hold {others} tokens; a state of {length} does not fit"
@@ -300,74 +243,51 @@ class PagedKVCache:
         return f"PagedKVCache(layer={self.layer}, offset={self.offset}, window={self.window})"
 
 
-class PagedQuantizedKVCache(PagedKVCache):
-    """mlx-lm's ``QuantizedKVCache`` protocol on affine-quantised pages.
-
-    ``update_and_fetch`` returns the packed (packed, scales, biases) triples of keys and
-    values, and ``bits``/``group_size`` are set, so mlx-lm's attention takes its quantised
-    path (it dispatches on ``hasattr(cache, "bits")``). Needs the same bits and group size
-    for K and V (mlx-lm's quantised attention takes one of each).
-    """
-
-    def __init__(self, table: PageTable, layer: int) -> None:
-        kc, vc = table.pool.k_codec, table.pool.v_codec
-        if not (isinstance(kc, AffineQuant) and kc == vc) or kc.rotated:
-            raise NotSupportedError("PagedQuantizedKVCache needs one affine codec for K and V")
-        super().__init__(table, layer)
-        self.bits = kc.bits
-        self.group_size = kc.group_size
-
-    def _fetch(self, lo: int, hi: int):
-        return self._gather(lo, hi)
-
-
-def cache_class_for(pool: PagePool) -> type[PagedKVCache]:
-    """The cache class mlx-lm models should see for ``pool``'s page kind."""
-    kc, vc = pool.k_codec, pool.v_codec
-    if isinstance(kc, AffineQuant) and kc == vc and not kc.rotated:
-        return PagedQuantizedKVCache
-    return PagedKVCache
-
-
 class PagedPromptCache(list):
-    """The per-layer caches of one sequence (a list, as mlx-lm expects) and their
-    ``PagedSequence``, which owns the tables: ``release()`` (or leaving a ``with`` block)
+    """The per-layer caches of one sequence (a list, as mlx-lm expects) and the row set
+    they face, which owns the page tables: ``release()`` (or leaving a ``with`` block)
     returns every page."""
 
     def __init__(self, caches: list[PagedKVCache]) -> None:
         super().__init__(caches)
-        sequences = {id(c.sequence): c.sequence for c in caches}
-        if len(sequences) != 1:
+        owners = {id(c.rows): c.rows for c in caches}
+        if len(owners) != 1:
             raise InvalidValueError("a prompt cache holds the layers of exactly one sequence")
-        self.sequence: PagedSequence = next(iter(sequences.values()))
+        self.rows: RowSet = next(iter(owners.values()))
+
+    @classmethod
+    def of_rows(cls, rows: RowSet) -> PagedPromptCache:
+        if rows.num_rows != 1:
+            raise InvalidValueError(f"a prompt cache holds one sequence, got {rows.num_rows} rows")
+        return cls([PagedKVCache(rows, i) for i in range(rows.layout.num_layers)])
+
+    @classmethod
+    def of_layers(cls, pool: PagePool, num_layers: int | None = None,
+                  window: int | None = None) -> PagedPromptCache:
+        """One sequence over layers 0 .. num_layers - 1 of ``pool`` (default: all), one
+        table (full attention, or a sliding ``window``)."""
+        n = pool.num_layers if num_layers is None else check_int("num_layers", num_layers, minimum=1)
+        return cls.of_rows(RowSet.new_row(LayerLayout.uniform(pool, range(n), window)))
 
     @property
     def tables(self) -> list[PageTable]:
-        return self.sequence.tables
+        return self.rows.all_tables()
 
     def fork(self) -> PagedPromptCache:
         """A second sequence sharing all pages so far (copy-on-write on the next write)."""
-        self.sequence.check_alive()
-        new_tables = {id(t): t.fork() for t in self.tables}
-        PagedSequence(list(new_tables.values()))  # the new layers join it through their tables
-        out = []
-        for c in self:
-            nc = type(c)(new_tables[id(c.table)], c.layer)
-            nc.restore_position(c.save_position())
-            out.append(nc)
-        return PagedPromptCache(out)
+        return PagedPromptCache.of_rows(self.rows.fork())
 
     @property
     def released(self) -> bool:
-        return self.sequence.released
+        return self.rows.released
 
     def release(self) -> None:
         """Give back every page of this sequence; a second call raises ``ReleasedError``."""
-        self.sequence.release()
+        self.rows.release()
 
     @property
     def num_tokens(self) -> int:
-        return max((c.offset for c in self), default=0)
+        return int(self.rows.offsets.max()) if len(self) else 0
 
     def __enter__(self) -> PagedPromptCache:
         return self
@@ -395,6 +315,31 @@ def _layer_windows(model, max_kv_size: int | None) -> list[int | None]:
     return [max_kv_size] * len(model.layers)
 
 
+def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
+               max_kv_size: int | None = None) -> LayerLayout:
+    """The layer layout of ``model``'s caches: full-attention layers share one table spec
+    in ``pool``; each sliding-window size gets its own (in ``sliding_pool`` if given,
+    whose layers are numbered in order of the sliding layers; the full layers then take
+    ``pool``'s layers in order). Without ``sliding_pool``, cache slot i uses layer i."""
+    if not isinstance(pool, PagePool) or (sliding_pool is not None and not isinstance(sliding_pool, PagePool)):
+        raise InvalidTypeError("pool and sliding_pool must be PagePools")
+    specs: list[TableSpec] = []
+    layers = []
+    n_full = n_sliding = 0
+    for i, w in enumerate(_layer_windows(model, max_kv_size)):
+        if w is None:
+            spec, layer = TableSpec(pool, None), (n_full if sliding_pool is not None else i)
+            n_full += 1
+        else:
+            target = sliding_pool if sliding_pool is not None else pool
+            spec, layer = TableSpec(target, w), (n_sliding if sliding_pool is not None else i)
+            n_sliding += 1
+        if spec not in specs:
+            specs.append(spec)
+        layers.append((specs.index(spec), layer))
+    return LayerLayout(tuple(specs), tuple(layers))
+
+
 def make_paged_cache(
     model,
     pool: PagePool,
@@ -402,39 +347,12 @@ def make_paged_cache(
     sliding_pool: PagePool | None = None,
     max_kv_size: int | None = None,
 ) -> PagedPromptCache:
-    """The paged twin of ``mlx_lm.models.cache.make_prompt_cache`` for one sequence.
+    """The paged twin of ``mlx_lm.models.cache.make_prompt_cache`` for one sequence
+    (layout: ``layout_for``). Also routes the model's attention through the caches
+    (``route_attention``), so decode steps read the pages directly."""
+    from pagedkv.attention_routing import route_attention
 
-    Full-attention layers share one table in ``pool``; sliding-window layers share a
-    second table. With ``sliding_pool`` the sliding layers live there (its layers
-    numbered in order of the sliding layers; the full layers take ``pool``'s layers in
-    order), so window-bounded pages do not reserve slots in full-attention layers.
-    Without it, cache slot i uses layer i of ``pool``. Pools of affine-quantised pages
-    (same bits for K and V) give ``PagedQuantizedKVCache``s; other page kinds hand the
-    model decoded K/V.
-    """
-    windows = _layer_windows(model, max_kv_size)
-    full_table: PageTable | None = None
-    sliding_tables: dict[tuple[int, int], PageTable] = {}
-    caches = []
-    n_full = n_sliding = 0
-    for i, w in enumerate(windows):
-        if w is None:
-            target, layer = pool, (n_full if sliding_pool is not None else i)
-            n_full += 1
-            if full_table is None:
-                full_table = PageTable(pool)
-            table = full_table
-        else:
-            target = sliding_pool if sliding_pool is not None else pool
-            layer = n_sliding if sliding_pool is not None else i
-            n_sliding += 1
-            key = (id(target), w)
-            if key not in sliding_tables:
-                sliding_tables[key] = PageTable(target, window=w)
-            table = sliding_tables[key]
-        if layer >= target.num_layers:
-            raise InvalidValueError(f"pool has {target.num_layers} layers; the model needs more")
-        caches.append((table, layer, target))
-    tables = ([full_table] if full_table is not None else []) + list(sliding_tables.values())
-    PagedSequence(tables)  # claims the tables; each layer's cache below joins it through its table
-    return PagedPromptCache([cache_class_for(target)(table, layer) for table, layer, target in caches])
+    cache = PagedPromptCache.of_rows(RowSet.new_row(layout_for(model, pool, sliding_pool=sliding_pool,
+                                                              max_kv_size=max_kv_size)))
+    route_attention(model)
+    return cache

@@ -19,12 +19,12 @@ import mlx.core as mx
 from pagedkv.cache import PagedKVCache
 from pagedkv.errors import PagedKvError
 from pagedkv.forward_pass import ForwardPass
-from pagedkv.shared import ViewKv
-from pagedkv.view import KvAttentionView
 
 
 class DonorCache:
     """A donor layer's cache that publishes each step's K/V to the active pass."""
+
+    reads_pages = True  # route_attention sends mlx-lm's attention to ``attend``
 
     def __init__(self, cache: PagedKVCache, donor: int) -> None:
         self.cache = cache
@@ -45,13 +45,17 @@ class DonorCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         fp = self._pass()
-        pre = self.cache.write(keys, values)
-        view = KvAttentionView.of_cache(self.cache, start=self.cache.visible_start(pre))
-        kv = fp.register(self.donor, ViewKv(view, offset=pre))
+        self.cache.write(keys, values)
+        kv = fp.register(self.donor, self.cache.fetch_shared("view"))
         return kv.keys_values()
 
     def keys_and_values(self) -> tuple[mx.array, mx.array]:
         return self._pass().get(self.donor).keys_values()
+
+    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+        """The donor's or a sharer's attention over the K/V the donor registered in this
+        pass (``route_attention`` calls it; it reads the pages through the view)."""
+        return self._pass().get(self.donor).attend(queries, scale, mask)
 
     def __getattr__(self, name):  # size, trim, state, nbytes ... of the wrapped cache
         return getattr(self.cache, name)

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextvars
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pagedkv.errors import KvLeakError, PagedKvError
-from pagedkv.shared import SharedKv
+
+if TYPE_CHECKING:  # a SharedKv reports itself to the active pass; this module only names the type
+    from pagedkv.shared import SharedKv
 
 _ACTIVE: contextvars.ContextVar[Optional[ForwardPass]] = contextvars.ContextVar("pagedkv_pass", default=None)
 

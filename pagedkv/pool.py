@@ -39,8 +39,9 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from allocators import FreeListAllocator, PageState, RefCountingAllocator
+from allocators import BlockAllocator, FreeListAllocator, PageState
 from pagedkv.codec import AffineQuant, FullPrecision, PageCodec
+from pagedkv.page_kind import PageKind, Parts
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -48,8 +49,6 @@ from pagedkv.errors import (
     KvShapeError,
     check_int,
 )
-
-Parts = tuple  # the gathered components of K or V: (values,) or (packed, scales, biases)
 
 DEFAULT_CACHE_LIMIT = 1 << 30
 """Bytes of freed buffers MLX may keep for reuse, set when a pool is created (see
@@ -98,7 +97,7 @@ class PagePool:
         num_pages: int | None = None,
         max_bytes: int | None = None,
         dtype: mx.Dtype = mx.float16,
-        allocator: RefCountingAllocator | None = None,
+        allocator: BlockAllocator | None = None,
         cache_limit: int | None = DEFAULT_CACHE_LIMIT,
         k_codec: PageCodec | None = None,
         v_codec: PageCodec | None = None,
@@ -116,6 +115,7 @@ class PagePool:
         self.v_codec = _check_codec("v_codec", v_codec, dtype)
         self.k_codec.check_dim(self.head_dim)
         self.v_codec.check_dim(self.v_head_dim)
+        self.kind = PageKind.of(self.k_codec, self.v_codec, dtype, self.head_dim, self.v_head_dim)
         per_page = self.bytes_per_page
         if (num_pages is None) == (max_bytes is None):
             raise InvalidValueError("give exactly one of num_pages and max_bytes")
@@ -131,8 +131,8 @@ class PagePool:
             )
         if allocator is None:
             allocator = FreeListAllocator(self.num_pages, null_page=True)
-        elif not isinstance(allocator, RefCountingAllocator):
-            raise InvalidTypeError(f"allocator must be a RefCountingAllocator, got {type(allocator).__name__}")
+        elif not isinstance(allocator, BlockAllocator):
+            raise InvalidTypeError(f"allocator must implement allocators.BlockAllocator, got {type(allocator).__name__}")
         elif allocator.num_pages != self.num_pages:
             raise InvalidValueError(f"allocator has {allocator.num_pages} pages, pool has {self.num_pages}")
         elif allocator.null_page is None:
@@ -179,19 +179,9 @@ class PagePool:
         return self.bytes_per_page * self.num_pages
 
     # ------------------------------------------------------------------ index helpers
-    def rows(self, pages: np.ndarray) -> np.ndarray:
+    def array_rows(self, pages: np.ndarray) -> np.ndarray:
         """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
         return self._head_base + pages[None, :]
-
-    def token_rows_slots(self, pages: np.ndarray, start: int, count: int) -> tuple[mx.array, mx.array]:
-        """Scatter indices for tokens [start, start + count) of a table listing ``pages``.
-
-        Returns (rows int32 [kv_heads, count], slots int32 [count]); reused by every
-        layer of one step.
-        """
-        pos = np.arange(start, start + count)
-        rows = self.rows(pages[pos // self.page_size])
-        return mx.array(rows.astype(np.int32)), mx.array((pos % self.page_size).astype(np.int32))
 
     def gather_index(self, rows: Sequence[np.ndarray]) -> tuple[np.ndarray, mx.array]:
         """Read indices for one or more sequences' pages (each row's pages in order).
@@ -301,8 +291,8 @@ class PagePool:
         if any(alloc.page_state(int(p)) != PageState.IN_USE for p in dst):
             raise InvalidValueError("copy_pages writes only into pages the caller holds (IN_USE), "
                                     "never into the null page or a free or cached page")
-        s = mx.array(self.rows(src).reshape(-1).astype(np.int32))
-        d = mx.array(self.rows(dst).reshape(-1).astype(np.int32))
+        s = mx.array(self.array_rows(src).reshape(-1).astype(np.int32))
+        d = mx.array(self.array_rows(dst).reshape(-1).astype(np.int32))
         for layer in range(self.num_layers):
             self._settle_reads(layer)
             arrays = self._k[layer] + self._v[layer]

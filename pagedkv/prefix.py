@@ -57,15 +57,7 @@ class PrefixCache:
         self.extra = extra_keys.encode() if isinstance(extra_keys, str) else bytes(extra_keys)
         self._by_hash: dict[bytes, int] = {}
         self._info: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (hash, tokens)
-        alloc = pool.allocator
-        previous = alloc.on_evict
-
-        def on_evict(ids: list[int]) -> None:
-            self._forget(ids)
-            if previous is not None:
-                previous(ids)
-
-        alloc.on_evict = on_evict
+        pool.allocator.evict_listeners.append(self._forget)
         self._queries = self._query_tokens = self._hit_tokens = self._hit_pages = self._evictions = 0
 
     def page_hash(self, parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -117,19 +109,16 @@ class PrefixCache:
         self._query_tokens += len(tokens)
         if pages:
             self.pool.allocator.touch(pages)  # one reference each; revives CACHED pages
-            cache.tables[0].adopt(pages)
-            n = len(pages) * self.pool.page_size
-            for c in cache:
-                c.restore_position((n, 0, n))
+            cache.rows.adopt_prefix(pages)
             self._hit_pages += len(pages)
-            self._hit_tokens += n
+            self._hit_tokens += len(pages) * self.pool.page_size
         return cache, list(tokens[len(pages) * self.pool.page_size :])
 
     def register(self, table: PageTable | PagedPromptCache, tokens: Sequence[int]) -> int:
         """Make the full pages of a sequence findable; ``tokens`` are its token ids
         (at least its first ``num_tokens``). Returns the number of pages newly registered."""
         if isinstance(table, PagedPromptCache):
-            table.sequence.check_alive()
+            table.rows.check_alive()
             if len(table.tables) != 1:
                 raise NotSupportedError("prefix caching serves full-attention models (one page table)")
             table = table.tables[0]

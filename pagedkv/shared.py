@@ -29,6 +29,7 @@ import mlx.core as mx
 from pagedkv.attention import quantized_attention
 from pagedkv.codec import GROUP_SIZES, QUANT_BITS, one_of
 from pagedkv.errors import InvalidValueError, KvShapeError, ReleasedError
+from pagedkv.forward_pass import ForwardPass
 from pagedkv.view import KvAttentionView
 
 
@@ -59,8 +60,6 @@ def _owned_positions(value: Optional[mx.array]) -> Optional[mx.array]:
 
 
 def _note_created(kv) -> None:
-    from pagedkv.forward_pass import ForwardPass  # late: forward_pass imports this module
-
     active = ForwardPass.current()
     if active is not None:
         active.note_created(kv)

@@ -50,9 +50,6 @@ class KvSharingPlan:
         """Layers that own a cache (and compute K/V)."""
         return tuple(range(self.num_donors))
 
-    def is_donor(self, layer: int) -> bool:
-        return layer < self.num_donors
-
     def donor_of(self, layer: int) -> int:
         """The layer whose K/V ``layer`` attends over (itself for a donor)."""
         return self.source[layer]

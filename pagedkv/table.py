@@ -18,8 +18,7 @@ write. That covers appends into a shared partial last page and rewrites after a 
 
 All mutations are atomic: on ``PoolExhausted`` (or any error) nothing has changed.
 Costs: ``prepare_write`` O(new pages + pages in the range) plus one page copy per
-shared page; ``trim`` O(pages dropped); ``fork``/``release`` O(pages); index helpers
-are memoised per table version.
+shared page; ``trim`` O(pages dropped); ``fork``/``release`` O(pages).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import attrs
-import mlx.core as mx
 import numpy as np
 
 from pagedkv.errors import InvalidTypeError, InvalidValueError, ReleasedError, TrimError, check_int
@@ -61,9 +59,7 @@ class PageTable:
         self._dropped = 0  # leading pages replaced by the null page (sliding window)
         self.num_tokens = 0
         self._released = False
-        self._version = 0
-        self._memo: dict = {}
-        self.sequence = None  # the PagedSequence whose layers write through this table
+        self.claimed = False  # True while a cache's RowSet owns this table
 
     # ------------------------------------------------------------------ queries
     @property
@@ -151,7 +147,6 @@ class PageTable:
         self._append(new)
         self.num_tokens = max(self.num_tokens, start + count)
         owed.append(self._drop_outside_window(start))
-        self._version += 1
         owed = np.concatenate(owed) if len(owed) > 1 else owed[0]
         if record is None:
             alloc.decref(owed)
@@ -170,7 +165,6 @@ class PageTable:
         n = record.pages.size
         self._pages[:n] = record.pages
         self._n, self._dropped, self.num_tokens = n, record.dropped, record.num_tokens
-        self._version += 1
         self.pool.allocator.decref(record.allocated[::-1].copy())
 
     def reserve(self, count: int) -> int:
@@ -189,7 +183,6 @@ class PageTable:
         ids = np.asarray(pages, dtype=np.int64)
         self._append(ids)
         self.num_tokens = ids.size * self.pool.page_size
-        self._version += 1
 
     def _append(self, ids: np.ndarray) -> None:
         if ids.size == 0:
@@ -257,7 +250,6 @@ class PageTable:
             self.pool.allocator.decref(self._pages[keep : self._n].copy())
             self._n = keep
         self.num_tokens = new_len
-        self._version += 1
         return n
 
     def fork(self) -> PageTable:
@@ -277,33 +269,17 @@ class PageTable:
         self.pool.allocator.decref(self._pages[self._dropped : self._n].copy())
         self._released = True
         self._n = self._dropped = self.num_tokens = 0
-        self._memo.clear()
 
-    # ------------------------------------------------------------------ index helpers
-    def write_index(self, start: int, count: int) -> tuple[mx.array, mx.array]:
-        """Pool scatter indices for tokens [start, start + count); memoised per version."""
-        key = ("w", self._version, start, count)
-        hit = self._memo.get(key)
-        if hit is None:
-            if start < self.first_visible() or start + count > self._n * self.pool.page_size:
-                raise InvalidValueError(f"tokens [{start}, {start + count}) are not reserved in this table")
-            hit = self.pool.token_rows_slots(self._pages[: self._n], start, count)
-            self._remember(key, hit)
-        return hit
+    # ------------------------------------------------------------------ page ids
+    def page_ids(self, first: int, stop: int) -> np.ndarray:
+        """Listed page ids [first, stop) (a view; stop is clipped to the listed pages)."""
+        return self._pages[first : min(stop, self._n)]
 
-    def read_index(self, first_page: int, stop_page: int) -> mx.array:
-        """Pool gather indices for pages [first_page, stop_page); memoised per version."""
-        key = ("r", self._version, first_page, stop_page)
-        hit = self._memo.get(key)
-        if hit is None:
-            _, hit = self.pool.gather_index([self._pages[first_page:stop_page]])
-            self._remember(key, hit)
-        return hit
-
-    def _remember(self, key: tuple, value) -> None:
-        if len(self._memo) > 8:
-            self._memo = {k: v for k, v in self._memo.items() if k[1] == self._version}
-        self._memo[key] = value
+    def page_ids_at(self, index: np.ndarray) -> np.ndarray:
+        """The page ids at page indices ``index`` (which must be listed)."""
+        if index.size and (index.min() < self._dropped or index.max() >= self._n):
+            raise InvalidValueError(f"pages {index.min()}..{index.max()} are not held by this table")
+        return self._pages[index]
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"tokens={self.num_tokens}, pages={self.num_pages}"

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.attention import attend_parts, decode_kv
+from pagedkv.attention import attend_parts, decode_kernel
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -35,9 +35,8 @@ from pagedkv.errors import (
     ReleasedError,
     check_int,
 )
-from pagedkv.kernels import paged_decode
-from pagedkv.mask import causal_mask
 from pagedkv.pool import PagePool
+from pagedkv.visibility import key_mask, page_span, window_start
 
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
@@ -64,7 +63,6 @@ class KvAttentionView:
         starts = [t.first_visible() for t in tables] if starts is None else [check_int("start", n) for n in starts]
         if len(lengths) != len(tables) or len(starts) != len(tables):
             raise InvalidValueError("one length and one start per table")
-        rows = []
         for t, lo, hi in zip(tables, starts, lengths):
             if getattr(t, "pool", None) is not pool:
                 raise InvalidValueError("every table of a view must list pages of the view's pool")
@@ -75,7 +73,12 @@ class KvAttentionView:
                     f"rows must view a non-empty range of held tokens [{t.first_visible()}, "
                     f"{t.num_tokens}), got [{lo}, {hi})"
                 )
-            rows.append(t.pages[lo // ps : -(-hi // ps)])
+        self.starts = list(starts)  # first visible token per row
+        self.lengths = list(lengths)  # one past the last
+        self._lo = np.array(starts, dtype=np.int64)
+        self._hi = np.array(lengths, dtype=np.int64)
+        first, stop, width = page_span(self._lo, self._hi, ps)
+        rows = [t.page_ids(f, e) for t, f, e in zip(tables, first, stop)]
         # the page-table snapshot [B, width] and head-major take-indices, one set per view
         snapshot, self._index = pool.gather_index(rows)
         self._table = mx.array(snapshot.astype(np.int32))  # the kernel path reads this
@@ -85,10 +88,8 @@ class KvAttentionView:
         self.pool = pool
         self.layer = layer
         self.batch = len(rows)
-        self.first_page_token = [(lo // ps) * ps for lo in starts]
-        self.starts = starts
-        self.lengths = lengths
-        self._width_tokens = snapshot.shape[1] * ps
+        self.key_base = first * ps  # token position of each row's first gathered column
+        self._width_tokens = width * ps
         self._released = False
 
     @classmethod
@@ -97,11 +98,10 @@ class KvAttentionView:
 
         ``start`` defaults to the first key the cache's own window still shows.
         """
-        cache._check_alive()
-        if start is None:
-            start = 0 if cache.window is None else max(0, cache.offset - cache.window)
-            start = max(start, cache.table.first_visible())
-        return cls(cache.pool, cache.layer, [cache.table], [cache.offset], [start])
+        cache.rows.check_alive()
+        if start is None:  # what the cache's last query (at offset - 1) sees
+            start = max(window_start(cache.offset - 1, cache.window), cache.table.first_visible())
+        return cls(cache.pool, cache.pool_layer, [cache.table], [cache.offset], [start])
 
     # ------------------------------------------------------------------ reading
     @property
@@ -121,34 +121,27 @@ class KvAttentionView:
         self._check()
         pool = self.pool
         if self.batch == 1:
-            off = self.first_page_token[0]
+            off = int(self.key_base[0])
             return pool.gather(self.layer, self._index, self.starts[0] - off, self.lengths[0] - off)
         return pool.gather(self.layer, self._index, 0, self._width_tokens, rows=self.batch)
 
     def keys_values(self) -> tuple[mx.array, mx.array]:
         """Contiguous float K/V (decoded and un-rotated for quantised pages); layout as
         ``parts``."""
-        k_parts, v_parts = self.parts()
-        pool = self.pool
-        return decode_kv(k_parts, v_parts, pool.k_codec, pool.v_codec, pool.dtype)
+        return self.pool.kind.decode(*self.parts())
 
-    def valid_mask(self, n_queries: int, causal: bool) -> mx.array:
+    def valid_mask(self, n_queries: int, causal: bool, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, width]: which gathered keys each row's queries may see.
 
-        Queries are the row's last ``n_queries`` positions (ending at its length).
+        Queries are the row's last ``n_queries`` positions (ending at its length); the
+        columns are those of ``parts``.
         """
-        cols = mx.arange(self._width_tokens)[None, :]
-        out = []
-        for b in range(self.batch):
-            off = self.first_page_token[b]
-            lo, hi = self.starts[b] - off, self.lengths[b] - off
-            m = (cols >= lo) & (cols < hi)
-            m = mx.broadcast_to(m, (n_queries, self._width_tokens))
-            if causal:
-                qpos = mx.arange(hi - n_queries, hi)[:, None]
-                m = m & (cols <= qpos)
-            out.append(m)
-        return mx.stack(out)[:, None]
+        if self.batch == 1:  # parts() returns exactly [start, length)
+            base, width = self._lo, self.lengths[0] - self.starts[0]
+        else:
+            base, width = self.key_base, self._width_tokens
+        return key_mask(self._hi - n_queries, n_queries, base, width,
+                        self._lo, self._hi, causal=causal, window=window)
 
     def attend(self, q: mx.array, scale: float, mask=None, window: int | None = None) -> mx.array:
         """Attention of ``q`` [B, n_heads, L, D] over the view (GQA: n_heads % kv_heads == 0).
@@ -156,60 +149,37 @@ class KvAttentionView:
         ``mask``: None, "causal" (queries are the last L positions) or an array
         broadcastable to [B, n_heads, L, keys]; ``window`` additionally limits each query
         to the last ``window`` keys up to its position (a drafter's sliding window).
-        Gathers the pages; full-precision pages go to ``mx.fast.scaled_dot_product_attention``
-        (exact), quantised ones to quantised matmuls (:mod:`pagedkv.attention`).
+        On a CUDA GPU one query per row reads the pool through the kernel; otherwise the
+        pages are gathered and :func:`pagedkv.attention.attend_parts` computes it.
         """
         self._check()
         if not isinstance(q, mx.array) or q.ndim != 4:
             raise KvShapeError(f"queries must be [B, n_heads, L, D], got {getattr(q, 'shape', q)}")
         b, n_heads, n_q, d = q.shape
-        if b != self.batch or n_heads % self.pool.num_kv_heads or d != self.pool.head_dim:
+        pool = self.pool
+        if b != self.batch or n_heads % pool.num_kv_heads or d != pool.head_dim:
             raise KvShapeError(
                 f"queries {tuple(q.shape)} do not fit a view of {self.batch} rows, "
-                f"{self.pool.num_kv_heads} kv heads, head_dim {self.pool.head_dim}"
+                f"{pool.num_kv_heads} kv heads, head_dim {pool.head_dim}"
             )
-        if paged_decode.usable(q, mask, self.pool):
-            return self._attend_kernel(q, scale, window)
+        if mask is None:
+            lo = self._lo if window is None else np.maximum(self._lo, self._hi - window)
+            k_pool, v_pool = pool.layer_arrays(self.layer)
+            out = decode_kernel(q, pool.kind, k_pool, v_pool, self._table,
+                                mx.array((lo - self.key_base).astype(np.int32)),
+                                mx.array((self._hi - self.key_base).astype(np.int32)),
+                                scale, pool.num_pages, pool.page_size)
+            if out is not None:
+                return out
         k_parts, v_parts = self.parts()
-        n_keys = k_parts[0].shape[2]
-        if self.batch > 1:
-            row = self.valid_mask(n_q, causal=(mask == "causal"))
-            if window is not None:
-                row = row & self._window_mask(n_q, window, n_keys)
+        if self.batch > 1 or window is not None:
+            row = self.valid_mask(n_q, causal=(mask == "causal" or window is not None), window=window)
+            if self.batch == 1:
+                row = row[0, 0]
             if isinstance(mask, mx.array):
                 row = row & mask if mask.dtype == mx.bool_ else mx.where(row, mask, -mx.inf)
             mask = row
-        elif window is not None:
-            wm = causal_mask(n_q, n_keys - n_q, window)  # a window implies causality
-            if mask is None or isinstance(mask, str):
-                mask = wm
-            elif mask.dtype == mx.bool_:
-                mask = mask & wm
-            else:
-                mask = mx.where(wm, mask, -mx.inf)
-        return attend_parts(q, k_parts, v_parts, scale, mask, self.pool.k_codec, self.pool.v_codec)
-
-    def _attend_kernel(self, q: mx.array, scale: float, window: int | None) -> mx.array:
-        """CUDA: attention read straight from the pool through the page snapshot."""
-        off = self.first_page_token
-        starts = [s - o for s, o in zip(self.starts, off)]
-        lengths = [n - o for n, o in zip(self.lengths, off)]
-        if window is not None:
-            starts = [max(s, n - window) for s, n in zip(starts, lengths)]
-        k, v = self.pool.layer_arrays(self.layer)
-        return paged_decode.paged_decode(
-            q, k, v, self._table, mx.array(lengths, dtype=mx.int32), mx.array(starts, dtype=mx.int32),
-            scale, num_pages=self.pool.num_pages, page_size=self.pool.page_size,
-        )
-
-    def _window_mask(self, n_q: int, window: int, width: int) -> mx.array:
-        cols = mx.arange(width)[None, :]
-        out = []
-        for b in range(self.batch):
-            hi = self.lengths[b] - self.first_page_token[b]
-            qpos = mx.arange(hi - n_q, hi)[:, None]
-            out.append(cols > qpos - window)
-        return mx.stack(out)[:, None]
+        return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)
 
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:

@@ -11,22 +11,27 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from pagedkv import PagedBatch, PagedKVCache, PagedPromptCache, PageTable
+from pagedkv import PagedBatch, PagedKVCache, PagedPromptCache, PageTable, RowSet
 
 
 def _table(t: PageTable) -> tuple:
     return ("table", t.released, t.num_tokens, t._dropped, t.pages.tobytes(), t.window)
 
 
+def _rows(r: RowSet) -> tuple:
+    return ("rows", r.released, r.offsets.tobytes(), r.step_starts.tobytes(),
+            tuple(_table(t) for t in r.all_tables()))
+
+
 def _owner(o) -> tuple:
     if isinstance(o, PageTable):
         return _table(o)
     if isinstance(o, PagedKVCache):
-        return ("layer", o.layer, o.save_position(), _table(o.table))
+        return ("layer", o.layer, _rows(o.rows))
     if isinstance(o, PagedPromptCache):
-        return ("prompt", len(o), tuple(_owner(c) for c in o), tuple(_table(t) for t in o.tables))
+        return ("prompt", len(o), _rows(o.rows))
     if isinstance(o, PagedBatch):
-        return ("batch", o._released, o._offsets.tobytes(), tuple(_table(t) for t in o.rows))
+        return ("batch", o._released, _rows(o.rows))
     raise TypeError(f"no snapshot for {type(o).__name__}")
 
 

@@ -93,10 +93,10 @@ def test_rows_leave_and_are_extracted_without_touching_other_rows():
     model = make_model("llama")
     pool = make_pool("llama", page_size=8, num_pages=128)
     _, _, batch = paged_run(model, pool)
-    pages_before = [t.pages.tolist() for t in batch.rows]
+    pages_before = [t.pages.tolist() for t in batch.tables()]
     row2 = batch.extract(2)
     batch.filter([1])  # row 0 leaves
-    assert [t.pages.tolist() for t in batch.rows] == [pages_before[1]]
+    assert [t.pages.tolist() for t in batch.tables()] == [pages_before[1]]
     assert row2.tables[0].pages.tolist() == pages_before[2]
     assert pool.allocator.num_in_use() == len(pages_before[1]) + len(pages_before[2])
     # the extracted row keeps generating on its own, exactly like an unbatched run
@@ -138,11 +138,11 @@ def test_a_step_that_cannot_get_pages_for_every_row_changes_nothing():
         c = make_paged_cache(model, pool)
         model(mx.array(p)[None], cache=c)
         batch.extend(c)
-    before = (pool.allocator.stats(), batch.lengths, [t.pages.tolist() for t in batch.rows])
+    before = (pool.allocator.stats(), batch.lengths, [t.pages.tolist() for t in batch.tables()])
     with pytest.raises(PoolExhausted):
         batch.caches[0].update_and_fetch(mx.zeros((2, 2, 1, 64)), mx.zeros((2, 2, 1, 64)))
-    assert (pool.allocator.stats(), batch.lengths, [t.pages.tolist() for t in batch.rows]) == before
-    assert batch._offsets[0].tolist() == [12, 12]
+    assert (pool.allocator.stats(), batch.lengths, [t.pages.tolist() for t in batch.tables()]) == before
+    assert batch.rows.offsets[0].tolist() == [12, 12]
     with pytest.raises(KvShapeError):
         batch.caches[0].update_and_fetch(mx.zeros((3, 2, 1, 64)), mx.zeros((3, 2, 1, 64)))
     batch.release()
@@ -163,5 +163,5 @@ def test_batch_memory_is_the_sum_of_rows_not_b_times_the_longest():
     with pytest.raises(ReleasedError, match="moved into a batch"):
         c.release()  # the last row's prompt cache: its table belongs to the batch now
     assert pages < len(lengths) * -(-max(lengths) // 16) / 2
-    assert np.array_equal(batch._offsets[0], lengths)
+    assert np.array_equal(batch.rows.offsets[0], lengths)
     batch.release()

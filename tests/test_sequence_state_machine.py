@@ -294,7 +294,7 @@ class Sequences(RuleBasedStateMachine):
                     self._expect(cache[layer], per_layer[layer])
         for view, ids in self.views:
             assert ids_in(view.keys_values()[0]) == ids
-        for table, ids in zip(self.batch.rows, self.rows):
+        for table, ids in zip(self.batch.tables(), self.rows):
             if not ids:
                 continue
             with KvAttentionView(self.pool, 1, [table]) as v:

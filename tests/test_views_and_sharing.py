@@ -22,7 +22,7 @@ from pagedkv import (
     make_paged_cache,
     rotated,
 )
-from pagedkv.mask import causal_mask
+from pagedkv.visibility import causal_mask
 
 H, QH, D = 2, 4, 32
 SCALE = D ** -0.5

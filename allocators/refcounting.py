@@ -66,8 +66,9 @@ class RefCountingAllocator:
     """Reference-counted page allocator over ``range(num_pages)``; see the module doc.
 
     Subclasses implement the free set: ``_free_len``, ``_pop_free``, ``_push_free`` and
-    ``_free_ids``. ``on_evict`` (optional) is called with the ids of CACHED pages just
-    evicted to FREE, so an owner of page hashes (the prefix cache) can forget them.
+    ``_free_ids``. ``evict_listeners`` is a list of callables, each called with the ids
+    of CACHED pages just evicted to FREE, so owners of page hashes (a prefix cache, a
+    disk tier) can forget them; ``on_evict`` (optional) starts the list.
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class RefCountingAllocator:
         self._freed = 0
         self._evicted = 0
         self._revived = 0
-        self.on_evict = on_evict
+        self.evict_listeners: list[Callable[[list[int]], None]] = [] if on_evict is None else [on_evict]
         if check_invariants is None:
             check_invariants = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         self._debug = bool(check_invariants)
@@ -205,7 +206,7 @@ class RefCountingAllocator:
     def allocate(self, n: int) -> np.ndarray:
         """Hand out ``n`` pages, each with reference count 1, as an int64 array.
 
-        Takes FREE pages first and evicts CACHED pages (LRU first, calling ``on_evict``)
+        Takes FREE pages first and evicts CACHED pages (LRU first, calling the ``evict_listeners``)
         only when the free set is short. Raises ``PoolExhausted`` and changes nothing
         when fewer than ``n`` pages are available.
         """
@@ -393,8 +394,8 @@ class RefCountingAllocator:
             self._evicted += n
             self._freed += n
             self._push_free(a)
-            if self.on_evict is not None:
-                self.on_evict(out)
+            for listener in self.evict_listeners:
+                listener(out)
         return out
 
     # ------------------------------------------------------------------ invariants, stats

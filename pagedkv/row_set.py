@@ -1,0 +1,590 @@
+"""``RowSet``: the one engine under every paged cache. B sequences ("rows") × L layers.
+
+A ``PagedKVCache`` is the one-row face of a ``RowSet`` and a ``PagedBatchKVCache`` the
+B-row face; both hand every call here, so validation, the atomic step, the write and
+read indices, masks, shared K/V and sizes exist once::
+
+    LayerLayout  specs:  [full (pool, window=None), sliding (pool', W), ...]
+                 layers: cache slot i -> (spec, layer in that spec's pool)
+
+    RowSet       tables:  [spec][row] -> PageTable       (one table per row per spec)
+                 offsets:     int64 [layer, row]   tokens each layer of each row holds
+                 step_starts: int64 [layer, row]   positions before its last write
+                                                    (the RoPE start; SharedKv.offset)
+
+A *step* is one ``write`` of every layer with T tokens per row. mlx-lm calls the layers
+one after another, so the row set makes the step atomic:
+
+- the first layer of a step (it writes past its tables' ends) reserves the step's pages
+  in every table standing at the same positions, in every spec, after checking that
+  each pool has the pages for all of them; a full pool raises ``PoolExhausted`` before
+  any layer has written. Tables keep ``UndoRecord``s while the step is open;
+- a later layer whose input is bad rolls the step back: every layer that wrote it
+  returns to its position and every table to its pages, reference counts and free-list
+  order included. Closing the step (all its layers wrote, or anything else happens to
+  the rows) gives up the pages the tables copied away from or dropped;
+- a write at positions the tables already hold (a layer trimmed alone, then written
+  again) is a rewrite: its pages are made private first (copy-on-write).
+
+The write index (pool rows and slots of the step's tokens) and the read index (every
+row's pages from its first visible page, padded with the null page) are built once per
+spec per step and memoised until the rows or their pages change; every layer of the
+step reuses them.
+
+Ownership: the row set owns its tables. ``release`` gives every page back once;
+``take_rows`` moves another row set's rows (tables and positions) in without copying
+K/V, after which the other one raises ``ReleasedError``; ``split_row`` moves one row
+out into a new one-row set. Costs per layer call: O(B) numpy work plus the pool write
+and gather; the first layer of a step adds O(B · pages of the step) for the indices.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from pagedkv.attention import attend_parts, decode_kernel
+from pagedkv.codec import AffineQuant
+from pagedkv.errors import (
+    InvalidValueError,
+    KvDTypeError,
+    KvShapeError,
+    NotSupportedError,
+    PoolExhausted,
+    ReleasedError,
+    check_int,
+)
+from pagedkv.pool import PagePool
+from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
+from pagedkv.table import PageTable
+from pagedkv.view import KvAttentionView
+from pagedkv.visibility import key_mask, page_span, window_start
+
+_SHARED_KINDS = ("view", "plain", "quant")
+
+
+@attrs.frozen
+class TableSpec:
+    """One page table per row lives in ``pool``; ``window`` None means full attention."""
+
+    pool: PagePool = attrs.field(eq=False)
+    window: int | None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TableSpec) and self.pool is other.pool and self.window == other.window
+
+    def __hash__(self) -> int:
+        return hash((id(self.pool), self.window))
+
+
+@attrs.frozen
+class LayerLayout:
+    """Which table spec and which pool layer every cache slot uses."""
+
+    specs: tuple[TableSpec, ...]
+    layers: tuple[tuple[int, int], ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not self.layers:
+            raise InvalidValueError("a layout needs at least one layer")
+        for spec, layer in self.layers:
+            pool = self.specs[spec].pool
+            if not 0 <= layer < pool.num_layers:
+                raise InvalidValueError(f"pool has {pool.num_layers} layers; the model needs more")
+
+    @classmethod
+    def uniform(cls, pool: PagePool, layers: Sequence[int], window: int | None = None) -> LayerLayout:
+        """Every slot in one table spec: slot i uses layer ``layers[i]`` of ``pool``."""
+        return cls((TableSpec(pool, window),), tuple((0, int(x)) for x in layers))
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def full_attention(self) -> bool:
+        return all(s.window is None for s in self.specs)
+
+
+class RowSet:
+    def __init__(self, layout: LayerLayout, tables: Sequence[Sequence[PageTable]] = ()) -> None:
+        """Rows of ``layout``; ``tables[row][spec]`` are empty tables or tables the
+        caller hands over (their layers all at the tables' lengths)."""
+        self.layout = layout
+        n_specs = len(layout.specs)
+        self._tables: list[list[PageTable]] = [[] for _ in range(n_specs)]
+        for row in tables:
+            if len(row) != n_specs:
+                raise InvalidValueError(f"a row needs {n_specs} page tables, got {len(row)}")
+            for s, t in enumerate(row):
+                _claim(t, layout.specs[s])
+                self._tables[s].append(t)
+        lengths = [[self._tables[s][b].num_tokens for b in range(len(tables))] for s, _ in layout.layers]
+        self.offsets = np.array(lengths, dtype=np.int64).reshape(layout.num_layers, len(tables))
+        self.step_starts = self.offsets.copy()
+        self._moved: str | None = None  # why the rows are gone, once moved out
+        self._released = False
+        self._version = 0  # bumped whenever rows or their pages change
+        self._memo: dict = {}
+        # The open step (none while the journal is empty): the tables it grew with their
+        # UndoRecords, in reservation order; the specs it grew; where it started; each
+        # written layer's positions before it; how many layers write it in all.
+        self._journal: list = []
+        self._step_specs: set[int] = set()
+        self._step_from = np.zeros(0, dtype=np.int64)
+        self._saved: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._writers = 0
+
+    @classmethod
+    def new_row(cls, layout: LayerLayout) -> RowSet:
+        """One row of fresh, empty tables."""
+        return cls(layout, [[PageTable(s.pool, window=s.window) for s in layout.specs]])
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.shape[1]
+
+    def tables(self, spec: int) -> list[PageTable]:
+        return self._tables[spec]
+
+    def row_tables(self, row: int) -> list[PageTable]:
+        return [ts[row] for ts in self._tables]
+
+    def all_tables(self) -> list[PageTable]:
+        return [t for ts in self._tables for t in ts]
+
+    def spec_of(self, layer: int) -> TableSpec:
+        return self.layout.specs[self.layout.layers[layer][0]]
+
+    def pool_of(self, layer: int) -> PagePool:
+        return self.spec_of(layer).pool
+
+    def layer_tables(self, layer: int) -> list[PageTable]:
+        return self._tables[self.layout.layers[layer][0]]
+
+    def nbytes(self, layer: int) -> int:
+        """Bytes of this layer's share of the pages its rows hold."""
+        pool = self.pool_of(layer)
+        return sum(t.num_pages for t in self.layer_tables(layer)) * pool.bytes_per_page_per_layer
+
+    def visible_range(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """[lo, hi) per row: the keys the layer's last step returned (a query at its
+        step start sees from lo; hi is what the layer holds)."""
+        return window_start(self.step_starts[layer], self.spec_of(layer).window), self.offsets[layer]
+
+    # ------------------------------------------------------------------ lifetime
+    def check_alive(self) -> None:
+        if self._moved is not None:
+            raise ReleasedError(f"this cache's pages were {self._moved}; use the new owner instead")
+        if self._released:
+            raise ReleasedError("cache used after its pages were released")
+        for ts in self._tables:
+            for t in ts:
+                if t.released:
+                    raise ReleasedError("cache used after its pages were released")
+
+    @property
+    def released(self) -> bool:
+        return self._moved is not None or self._released or any(t.released for t in self.all_tables())
+
+    def release(self) -> None:
+        """Give back every page of every row (once; a second call raises ``ReleasedError``)."""
+        if self._moved is not None:
+            raise ReleasedError(f"this cache's pages were {self._moved}")
+        if self._released:
+            raise ReleasedError("released twice")
+        self._close_step()
+        for t in self.all_tables():
+            if not t.released:
+                t.release()
+        self._released = True
+        self._changed()
+
+    def take_rows(self, other: RowSet, where: str) -> range:
+        """Move every row of ``other`` to the end of this set (no K/V copied); ``other``
+        is dead afterwards. Its layers must all stand at their tables' lengths."""
+        self.check_alive()
+        other.check_alive()
+        if other.layout != self.layout:
+            raise InvalidValueError("the rows' layers use other pools, layers or windows than these rows")
+        for s, ts in enumerate(other._tables):
+            for b, t in enumerate(ts):
+                held = other.offsets[[i for i, (sp, _) in enumerate(self.layout.layers) if sp == s], b]
+                if (held != t.num_tokens).any():
+                    raise InvalidValueError(f"every layer must hold the same {t.num_tokens} tokens, "
+                                            f"got {held.tolist()}")
+        self._close_step()
+        other._close_step()
+        first = self.num_rows
+        for s in range(len(self._tables)):
+            self._tables[s].extend(other._tables[s])
+            other._tables[s] = []
+        self.offsets = np.concatenate([self.offsets, other.offsets], axis=1)
+        self.step_starts = np.concatenate([self.step_starts, other.offsets], axis=1)
+        other.offsets = other.offsets[:, :0]
+        other.step_starts = other.step_starts[:, :0]
+        other._moved = where
+        self._changed()
+        return range(first, self.num_rows)
+
+    def split_row(self, row: int) -> RowSet:
+        """Move row ``row`` out into a new one-row set (no copy); the others stay."""
+        self.check_alive()
+        self._close_step()
+        out = RowSet(self.layout)
+        tables = [ts.pop(row) for ts in self._tables]
+        out._tables = [[t] for t in tables]
+        out.offsets = self.offsets[:, row : row + 1].copy()
+        out.step_starts = out.offsets.copy()
+        self.offsets = np.delete(self.offsets, row, axis=1)
+        self.step_starts = np.delete(self.step_starts, row, axis=1)
+        self._changed()
+        return out
+
+    def keep_rows(self, keep: Sequence[int]) -> None:
+        """Keep rows ``keep`` (in that order) and release every other row's pages."""
+        self.check_alive()
+        self._close_step()
+        drop = set(range(self.num_rows)) - set(keep)
+        for ts in self._tables:
+            for b in sorted(drop):
+                ts[b].release()
+        self._tables = [[ts[b] for b in keep] for ts in self._tables]
+        self.offsets = self.offsets[:, list(keep)]
+        self.step_starts = self.step_starts[:, list(keep)]
+        self._changed()
+
+    def fork(self) -> RowSet:
+        """A new row set sharing every page (copy-on-write on the next write)."""
+        self.check_alive()
+        self._close_step()
+        out = RowSet(self.layout)
+        out._tables = [[t.fork() for t in ts] for ts in self._tables]
+        for t in out.all_tables():
+            t.claimed = True
+        out.offsets = self.offsets.copy()
+        out.step_starts = self.step_starts.copy()
+        return out
+
+    def adopt_prefix(self, pages: Sequence[int]) -> None:
+        """Start the one empty full-attention row with ``pages`` (full, each already
+        referenced once for it: a prefix-cache hit); every layer stands after them."""
+        if self.num_rows != 1 or len(self._tables) != 1 or self.layout.specs[0].window is not None:
+            raise NotSupportedError("prefix caching serves one full-attention row")
+        table = self._tables[0][0]
+        table.adopt(pages)
+        self.offsets[:] = table.num_tokens
+        self.step_starts[:] = table.num_tokens
+        self._changed()
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._memo.clear()
+
+    # ------------------------------------------------------------------ one layer's step
+    def write(self, layer: int, keys: mx.array, values: mx.array) -> np.ndarray:
+        """Append [B, kv_heads, T, D] keys/values of ``layer`` at every row's position;
+        returns the rows' positions before the write (validated first; atomic)."""
+        self.check_alive()
+        start = self.offsets[layer].copy()
+        try:
+            count = self._validate(layer, keys, values)
+            self._prepare(layer, start, count)
+            spec, pool_layer = self.layout.layers[layer]
+            pool = self.layout.specs[spec].pool
+            rows, slots = self._write_index(spec, start, count)
+            if self.num_rows == 1:
+                flat_k, flat_v = keys[0], values[0]
+            else:
+                h = pool.num_kv_heads
+                flat_k = keys.transpose(1, 0, 2, 3).reshape(h, -1, keys.shape[-1])
+                flat_v = values.transpose(1, 0, 2, 3).reshape(h, -1, values.shape[-1])
+            pool.write(pool_layer, rows, slots, flat_k, flat_v)
+        except BaseException:
+            self._abort_write(layer)
+            raise
+        self.offsets[layer] = start + count
+        self.step_starts[layer] = start
+        if self._journal and len(self._saved) >= self._writers:
+            self._close_step()
+        return start
+
+    def _validate(self, layer: int, keys: mx.array, values: mx.array) -> int:
+        pool = self.pool_of(layer)
+        if self.num_rows == 0:
+            raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
+        for name, x, d in (("keys", keys, pool.head_dim), ("values", values, pool.v_head_dim)):
+            if not isinstance(x, mx.array):
+                raise KvShapeError(f"{name} must be an mx.array, got {type(x).__name__}")
+            if x.ndim != 4:
+                raise KvShapeError(f"{name} must be [B, kv_heads, T, D], got shape {tuple(x.shape)}")
+            b, h, t, dd = x.shape
+            if b != self.num_rows and self.num_rows == 1:
+                raise NotSupportedError(f"a one-sequence cache takes batch 1, got {b} (use PagedBatch)")
+            if b != self.num_rows:
+                raise KvShapeError(f"{name} have batch {b}, the cache holds {self.num_rows} rows")
+            if h != pool.num_kv_heads:
+                raise KvShapeError(f"{name} have {h} kv heads, the pool {pool.num_kv_heads}")
+            if dd != d:
+                raise KvShapeError(f"{name} head_dim {dd} != pool's {d}")
+            if t == 0:
+                raise KvShapeError(f"{name} have no tokens (T = 0)")
+            if x.dtype != pool.dtype:
+                raise KvDTypeError(f"{name} dtype {x.dtype} != pool dtype {pool.dtype}")
+        if keys.shape[2] != values.shape[2]:
+            raise KvShapeError(f"keys have {keys.shape[2]} tokens, values {values.shape[2]}")
+        return keys.shape[2]
+
+    def _prepare(self, layer: int, start: np.ndarray, count: int) -> None:
+        """Make tokens [start, start + count) of every row of ``layer``'s tables writable."""
+        spec = self.layout.layers[layer][0]
+        tables = self._tables[spec]
+        lengths = np.fromiter((t.num_tokens for t in tables), np.int64, len(tables))
+        if (start + count > lengths).any():
+            if (start != lengths).any():
+                raise KvShapeError(
+                    f"layer {layer} is at {start.tolist()} but its tables at {lengths.tolist()}: "
+                    "layers of one sequence must advance together"
+                )
+            self._open_step(start, count)
+        elif spec not in self._step_specs or (start < self._step_from).any():
+            self._rewrite(tables, start, count)  # copy-on-write of shared pages
+            return
+        if layer not in self._saved:  # a layer of the open step: saved for rollback
+            self._saved[layer] = (self.offsets[layer].copy(), self.step_starts[layer].copy())
+
+    def _check_pages(self, needs: list[tuple[PageTable, int]]) -> None:
+        by_pool: dict[int, list] = {}
+        for t, need in needs:
+            by_pool.setdefault(id(t.pool), [t.pool, 0])[1] += need
+        for pool, need in by_pool.values():
+            available = pool.allocator.num_available()
+            if need > available:
+                raise PoolExhausted(need, available)
+
+    def _rewrite(self, tables: list[PageTable], start: np.ndarray, count: int) -> None:
+        self._check_pages([(t, t.pages_needed(count, start=int(s))) for t, s in zip(tables, start)])
+        self._close_step()
+        for t, s in zip(tables, start):  # cannot run out now
+            t.prepare_write(int(s), count)
+        self._changed()
+
+    def _open_step(self, start: np.ndarray, count: int) -> None:
+        growing = [s for s, ts in enumerate(self._tables)
+                   if all(t.num_tokens == p for t, p in zip(ts, start))]
+        self._check_pages([(t, t.pages_needed(count)) for s in growing for t in self._tables[s]])
+        self._close_step()  # a step some layers never finished stands as it is
+        for s in growing:  # cannot run out now: every pool was checked for all its tables
+            for t in self._tables[s]:
+                records: list = []
+                t.prepare_write(int(t.num_tokens), count, undo=records)
+                self._journal.append((t, records[0]))
+        self._step_specs = set(growing)
+        self._step_from = start.copy()
+        self._writers = sum(1 for s, _ in self.layout.layers if s in self._step_specs)
+        self._changed()
+
+    def _close_step(self) -> None:
+        """The step stands: tables give up the pages they copied away from or dropped."""
+        for table, record in self._journal:
+            table.commit(record)
+        self._forget_step()
+
+    def _abort_write(self, layer: int) -> None:
+        """``layer``'s write failed. If it is a layer of the open step that has not
+        written it yet, undo the step: layers and tables exactly as before it. Any other
+        failed write changed nothing."""
+        spec = self.layout.layers[layer][0]
+        if spec not in self._step_specs or layer in self._saved or not self._journal:
+            return
+        for l, (offsets, starts) in self._saved.items():
+            self.offsets[l], self.step_starts[l] = offsets, starts
+        for table, record in reversed(self._journal):  # the free list's order returns too
+            table.undo(record)
+        self._forget_step()
+        self._changed()
+
+    def _forget_step(self) -> None:
+        self._journal = []
+        self._step_specs = set()
+        self._saved = {}
+        self._writers = 0
+
+    # ------------------------------------------------------------------ indices
+    def _write_index(self, spec: int, start: np.ndarray, count: int) -> tuple[mx.array, mx.array]:
+        key = ("w", spec, start.tobytes(), count)
+        hit = self._memo.get(key)
+        if hit is None:
+            pool = self.layout.specs[spec].pool
+            ps = pool.page_size
+            pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
+            pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(self._tables[spec], pos)])
+            hit = (mx.array(pool.array_rows(pages).astype(np.int32)),
+                   mx.array((pos.reshape(-1) % ps).astype(np.int32)))
+            self._memo[key] = hit
+        return hit
+
+    def read_plan(self, layer: int, lo: np.ndarray, hi: np.ndarray):
+        """(page table int32 [B, width], take-indices, first page per row, width) for
+        tokens [lo[b], hi[b]) of every row of ``layer``; memoised per step."""
+        spec = self.layout.layers[layer][0]
+        key = ("r", spec, lo.tobytes(), hi.tobytes())
+        hit = self._memo.get(key)
+        if hit is None:
+            pool = self.layout.specs[spec].pool
+            first, stop, width = page_span(lo, hi, pool.page_size)
+            rows = [t.page_ids(f, e) for t, f, e in zip(self._tables[spec], first, stop)]
+            snapshot, index = pool.gather_index(rows)
+            hit = (mx.array(snapshot.astype(np.int32)), index, first, width)
+            self._memo[key] = hit
+        return hit
+
+    def read(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None,
+             exact: bool = True):
+        """The gathered page components of tokens [lo, hi) per row (default: the
+        layer's visible range). ``exact`` (one row only): exactly those tokens; else
+        [B, kv_heads, width * page_size, c] from each row's first page, padded with the
+        null page (``mask`` describes them)."""
+        if lo is None:
+            lo, hi = self.visible_range(layer)
+        _, index, first, width = self.read_plan(layer, lo, hi)
+        pool = self.pool_of(layer)
+        pool_layer = self.layout.layers[layer][1]
+        ps = pool.page_size
+        if exact and self.num_rows == 1:
+            base = int(first[0]) * ps
+            return pool.gather(pool_layer, index, int(lo[0]) - base, int(hi[0]) - base)
+        return pool.gather(pool_layer, index, 0, width * ps, rows=self.num_rows)
+
+    def mask(self, layer: int, n_queries: int, window: int | None = None) -> mx.array:
+        """Bool [B, 1, n_queries, width] for the keys the layer's next write of
+        ``n_queries`` tokens per row will return (``read`` after that write)."""
+        start = self.offsets[layer]
+        lo, hi = window_start(start, self.spec_of(layer).window), start + n_queries
+        ps = self.pool_of(layer).page_size
+        first, _, width = page_span(lo, hi, ps)
+        return key_mask(start, n_queries, first * ps, width * ps, lo, hi,
+                        window=window or self.spec_of(layer).window)
+
+    def attend(self, layer: int, queries: mx.array, scale: float, mask, mask_is_ours: bool,
+               exact: bool = True) -> mx.array:
+        """Attention of this step's queries over the layer's visible keys, read from the
+        pages (the CUDA kernel for a decode step where it applies, else the gathered
+        components through :func:`pagedkv.attention.attend_parts`). ``mask_is_ours``:
+        ``mask`` is None or what ``mask`` made for this step, so the kernel may apply
+        the rows' ranges itself. ``exact``: the keys' layout, as for ``read``."""
+        pool = self.pool_of(layer)
+        lo, hi = self.visible_range(layer)
+        if mask_is_ours and queries.shape[2] == 1:
+            table, _, first, _ = self.read_plan(layer, lo, hi)
+            base = first * pool.page_size
+            k_pool, v_pool = pool.layer_arrays(self.layout.layers[layer][1])
+            out = decode_kernel(queries, pool.kind, k_pool, v_pool, table, mx.array((lo - base).astype(np.int32)),
+                                mx.array((hi - base).astype(np.int32)), scale, pool.num_pages, pool.page_size)
+            if out is not None:
+                return out
+        k_parts, v_parts = self.read(layer, lo, hi, exact)
+        return attend_parts(queries, k_parts, v_parts, scale, mask, pool.kind)
+
+    # ------------------------------------------------------------------ sharing
+    def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:
+        """A reference-holding view of tokens [lo, hi) of every row (default: the
+        layer's visible range)."""
+        self.check_alive()
+        if lo is None:
+            lo, hi = self.visible_range(layer)
+        return KvAttentionView(self.pool_of(layer), self.layout.layers[layer][1], self.layer_tables(layer),
+                               hi.tolist(), lo.tolist())
+
+    def shared(self, layer: int, kind: str = "view") -> SharedKv:
+        """This step's K/V of ``layer`` as a SharedKv (after the step's write; the caller
+        releases it). ``offset`` is the step's start (the smallest over rows) and, for
+        several rows, ``offset_arr`` every row's.
+
+        ``view``: a KvAttentionView (any page kind, any rows; quantised pages stay packed).
+        ``plain``: float keys and values of one row; on rotated (TurboQuant) pages the
+        values stay rotated, with ``v_rotated=True`` and ``restore_values`` captured now.
+        ``quant``: the packed (packed, scales, biases) triples of one row; unrotated
+        affine pages only.
+        """
+        if kind not in _SHARED_KINDS:
+            raise InvalidValueError(f"kind must be 'view', 'plain' or 'quant', got {kind!r}")
+        self.check_alive()
+        lo, hi = self.visible_range(layer)
+        if self.num_rows == 0 or (hi == 0).all():
+            raise KvShapeError("no step has been written yet")
+        starts = self.step_starts[layer]
+        offset = int(starts.min())
+        offset_arr = mx.array(starts.astype(np.int32)) if self.num_rows > 1 else None
+        if kind == "view":
+            return ViewKv(self.view(layer, lo, hi), offset=offset, offset_arr=offset_arr)
+        if self.num_rows != 1:
+            raise NotSupportedError(f"{kind!r} SharedKv holds one row; use kind='view' for several")
+        pool = self.pool_of(layer)
+        k_parts, v_parts = self.read(layer, lo, hi)
+        if kind == "plain":
+            k, v = pool.kind.decode(k_parts, v_parts, unrotate_values=False)
+            if pool.v_codec.rotated:
+                return PlainKv(k, v, offset=offset, restore_values=pool.v_codec.unrotate, v_rotated=True)
+            return PlainKv(k, v, offset=offset)
+        if not pool.kind.packed_pair:
+            raise NotSupportedError("quant SharedKv needs affine-quantised, unrotated K and V pages")
+        kc, vc = pool.k_codec, pool.v_codec
+        assert isinstance(kc, AffineQuant) and isinstance(vc, AffineQuant)
+        return QuantKv(k_parts, v_parts, bits=kc.bits, group_size=kc.group_size, offset=offset,
+                       v_bits=vc.bits, v_group_size=vc.group_size)
+
+    # ------------------------------------------------------------------ trimming
+    def max_trim(self, layer: int) -> int:
+        """The most tokens every row of ``layer`` can go back now."""
+        tables = self.layer_tables(layer)
+        return int(min((t.max_rewind(int(n)) for t, n in zip(tables, self.offsets[layer])), default=0))
+
+    def trim(self, layer: int, n: int) -> int:
+        """Forget the last ``n`` tokens of ``layer`` in every row (at most what the
+        shortest row holds); once every layer of a table went back, the table frees the
+        tail pages. Raises ``TrimError`` and changes nothing if a sliding window already
+        dropped keys a query at the new end needs."""
+        self.check_alive()
+        n = check_int("n", n, minimum=0)
+        if self.num_rows == 0:
+            return 0
+        n = min(n, int(self.offsets[layer].min()))
+        if n == 0:
+            return 0
+        for t, held in zip(self.layer_tables(layer), self.offsets[layer]):
+            t.check_rewind(int(held) - n)
+        self._close_step()
+        self.offsets[layer] -= n
+        self.step_starts[layer] = np.minimum(self.step_starts[layer], self.offsets[layer])
+        self._shrink_tables()
+        return n
+
+    def _shrink_tables(self) -> None:
+        """Shrink each table to its furthest layer (after layers trimmed)."""
+        for s, ts in enumerate(self._tables):
+            members = [i for i, (sp, _) in enumerate(self.layout.layers) if sp == s]
+            furthest = self.offsets[members].max(axis=0)
+            for t, target in zip(ts, furthest):
+                if target < t.num_tokens:
+                    t.trim(t.num_tokens - int(target))
+        self._changed()
+
+    def layers_of(self, spec: int) -> list[int]:
+        return [i for i, (s, _) in enumerate(self.layout.layers) if s == spec]
+
+
+def _claim(table: PageTable, spec: TableSpec) -> None:
+    if not isinstance(table, PageTable):
+        raise InvalidValueError(f"expected PageTables, got {type(table).__name__}")
+    if table.released:
+        raise ReleasedError("cannot build a cache on a released page table")
+    if table.claimed:
+        raise InvalidValueError("this page table already belongs to a cache")
+    if table.pool is not spec.pool or table.window != spec.window:
+        raise InvalidValueError("the table's pool or window differs from its layer's")
+    table.claimed = True

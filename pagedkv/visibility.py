@@ -1,0 +1,71 @@
+"""Which keys a query sees: the one definition of visible ranges and masks.
+
+A query at position p sees key position j iff ``window_start(p, W) <= j <= p`` (no
+window: ``W`` is None and the start is 0), and, for a batch or a view, j lies in its
+row's held range. Readers gather each row's pages from a first page on (``page_span``),
+so gathered column c of row b holds key position ``key_base[b] + c``::
+
+    row b:  | page first[b] | ...            | page stop[b]-1 |  (padding: null page)
+            ^ key_base[b] = first[b] * page_size
+
+Every function here takes numpy vectors over rows (a single sequence is one row) and
+does O(rows) Python work; masks are built as one broadcast, never per row.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+
+def window_start(query_pos, window: int | None):
+    """First key position a query at ``query_pos`` sees (int or int64 array)."""
+    if window is None:
+        return query_pos * 0 if isinstance(query_pos, np.ndarray) else 0
+    return np.maximum(query_pos - window + 1, 0) if isinstance(query_pos, np.ndarray) \
+        else max(0, query_pos - window + 1)
+
+
+def page_span(lo: np.ndarray, hi: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(first page [B], stop page [B], width in pages = the widest row) covering tokens
+    [lo[b], hi[b]) of every row."""
+    first = lo // page_size
+    stop = -(-hi // page_size)
+    return first, stop, int((stop - first).max()) if first.size else 0
+
+
+def key_mask(query_start: np.ndarray, n_queries: int, key_base: np.ndarray, width: int,
+             lo: np.ndarray, hi: np.ndarray, *, causal: bool = True,
+             window: int | None = None) -> mx.array:
+    """Bool [B, 1, n_queries, width]: query i of row b (at ``query_start[b] + i``) sees
+    gathered column c (key ``key_base[b] + c``) iff the key is in [lo[b], hi[b]) and,
+    when ``causal``, not after the query and, with a ``window``, within it."""
+    keys = mx.array((key_base[:, None] + np.arange(width)[None, :]).astype(np.int32))[:, None, None, :]
+    queries = mx.array((query_start[:, None] + np.arange(n_queries)[None, :]).astype(np.int32))[:, None, :, None]
+    rng = mx.array(np.stack([lo, hi], axis=1).astype(np.int32))[:, :, None, None, None]
+    mask = (keys >= rng[:, 0]) & (keys < rng[:, 1])
+    if causal:
+        mask = mask & (keys <= queries)
+    if window is not None:
+        mask = mask & (keys > queries - window)
+    return mask
+
+
+def causal_mask(n_queries: int, offset: int, window: int | None = None) -> mx.array:
+    """Bool [n_queries, offset + n_queries] for one row whose keys start at 0."""
+    one = np.array([offset])
+    m = key_mask(one, n_queries, one * 0, offset + n_queries, one * 0, one + n_queries, window=window)
+    return m[0, 0]
+
+
+def attention_mask(n_queries: int, offset: int, return_array: bool, window: int | None):
+    """What an mlx-lm model expects for ``n_queries`` new tokens after ``offset`` keys
+    (all of them returned): ``None`` (one query sees everything), ``"causal"``, or an
+    explicit bool array."""
+    if window is not None:
+        return causal_mask(n_queries, offset, window)
+    if n_queries == 1:
+        return None
+    if return_array:
+        return causal_mask(n_queries, offset)
+    return "causal"
