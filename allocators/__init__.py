@@ -17,8 +17,8 @@ from allocators.errors import (
 )
 from allocators.free_list import FreeListAllocator
 from allocators.protocol import AllocatorStats, BlockAllocator, PageState
-from allocators.sorted import SortedAllocator
 from allocators.refcounting import NULL_PAGE, RefCountingAllocator
+from allocators.sorted import SortedAllocator
 
 __all__ = [
     "AllocatorError",

@@ -182,7 +182,7 @@ def writes(args) -> None:
 
 def pool_writes(args) -> None:
     """One-token writes through PagePool (all layers per step), as a decode loop does."""
-    from pagedkv import PagedKVCache, PagePool, PageTable
+    from pagedkv import PagedPromptCache, PagePool
 
     say("")
     say("PagePool.write, one token per layer per step, 4 layers (what pagedkv does)")
@@ -194,8 +194,7 @@ def pool_writes(args) -> None:
         mx.clear_cache()
         pool = PagePool(num_layers=4, num_kv_heads=HKV, head_dim=D, page_size=PS, num_pages=pages,
                         dtype=mx.float16, cache_limit=None)
-        table = PageTable(pool)  # one sequence: its four layers share the table
-        caches = [PagedKVCache(table, layer) for layer in range(4)]
+        caches = PagedPromptCache.of_layers(pool)  # one sequence: its four layers share a table
         tok = mx.random.normal((1, HKV, 1, D)).astype(mx.float16)
         for c in caches:
             mx.eval(c.update_and_fetch(tok, tok))

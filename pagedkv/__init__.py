@@ -13,8 +13,8 @@
 """
 
 from allocators import PoolExhausted
-from pagedkv.batch import PagedBatch, PagedBatchKVCache
 from pagedkv.attention_routing import route_attention
+from pagedkv.batch import PagedBatch, PagedBatchKVCache
 from pagedkv.cache import PagedKVCache, PagedPromptCache, layout_for, make_paged_cache
 from pagedkv.codec import AffineQuant, FullPrecision, RotatedAffineQuant, rotated
 from pagedkv.donor_cache import DonorCache, donor_caches
@@ -33,8 +33,8 @@ from pagedkv.errors import (
 from pagedkv.forward_pass import ForwardPass
 from pagedkv.pool import PagePool, raise_cache_limit
 from pagedkv.prefix import PrefixCache, PrefixStats
-from pagedkv.scheduling import can_admit, pages_for, preempt
 from pagedkv.row_set import LayerLayout, RowSet, TableSpec
+from pagedkv.scheduling import can_admit, pages_for, preempt
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.sharing_plan import KvSharingPlan
 from pagedkv.table import PageTable

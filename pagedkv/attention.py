@@ -12,9 +12,8 @@ the gathered page components:
 - rotated V: attention runs on rotated values; the *output* is un-rotated once per query
   row (deferred-V), which equals un-rotating every cached value (attention is linear in V).
 
-The CUDA decode kernel reads the pool without a gather; callers that hold a page table
-(``pagedkv.row_set``, ``pagedkv.view``) try ``decode_kernel`` first, which returns None
-when the kernel does not apply.
+The CUDA decode kernel reads the pool without a gather; ``PageRead.attend``
+(:mod:`pagedkv.page_read`), which holds the page table, tries it first.
 """
 
 from __future__ import annotations
@@ -43,7 +42,15 @@ def _mask_scores(scores: mx.array, mask, n_repeats: int) -> mx.array:
 
 def quantized_attention(q: mx.array, k_parts, v_parts, scale: float, mask, *, k_bits: int,
                         k_group: int, v_bits: int, v_group: int) -> mx.array:
-    """Attention of ``q`` [B, n_heads, L, D] over quantised (packed, scales, biases) K/V."""
+    """Attention of ``q`` [B, n_heads, L, D] over quantised (packed, scales, biases) K/V.
+
+    MLX's CUDA backend (0.32) has no ``quantized_matmul`` for these shapes ("No
+    implementation for problem shape"), so on CUDA the K/V are dequantised and SDPA runs.
+    """
+    if paged_decode.available():
+        k = mx.dequantize(*k_parts, group_size=k_group, bits=k_bits).astype(q.dtype)
+        v = mx.dequantize(*v_parts, group_size=v_group, bits=v_bits).astype(q.dtype)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     b, n_heads, n_q, d = q.shape
     n_kv = k_parts[0].shape[-3]
     # quantized_matmul computes in the scales' dtype: promote fp16 scales to the query's
@@ -80,16 +87,3 @@ def attend_parts(q: mx.array, k_parts, v_parts, scale: float, mask, kind: PageKi
     if vc.rotated:
         out = vc.unrotate(out)
     return out.astype(q.dtype)
-
-
-def decode_kernel(q: mx.array, kind: PageKind, k_pool: mx.array, v_pool: mx.array, table: mx.array,
-                  starts: mx.array, lengths: mx.array, scale: float, num_pages: int,
-                  page_size: int) -> mx.array | None:
-    """The CUDA kernel's attention of one query per row over the pages in ``table``
-    (tokens [starts, lengths) of each row, counted from its first listed page), or None
-    when the kernel does not apply here (CPU, a quantised pool, a prefill, a head size
-    or GQA group it does not take)."""
-    if not kind.decode_kernel or not paged_decode.fits(q, k_pool.shape[0] // num_pages, kind.dtype):
-        return None
-    return paged_decode.paged_decode(q, k_pool, v_pool, table, lengths, starts, scale,
-                                     num_pages=num_pages, page_size=page_size)

@@ -35,7 +35,6 @@ from pagedkv.errors import (
     InvalidValueError,
     KvShapeError,
     NotSupportedError,
-    ReleasedError,
     check_int,
 )
 from pagedkv.pool import PagePool
@@ -56,7 +55,6 @@ class PagedBatch:
         self.rows = RowSet(layout)
         self.pool = layout.specs[0].pool
         self.caches = [PagedBatchKVCache(self, i) for i in range(layout.num_layers)]
-        self._released = False
 
     @classmethod
     def for_model(cls, model, pool: PagePool) -> PagedBatch:
@@ -65,7 +63,7 @@ class PagedBatch:
         from pagedkv.attention_routing import route_attention
 
         layout = layout_for(model, pool)
-        if not layout.full_attention:
+        if any(spec.window is not None for spec in layout.specs):
             raise NotSupportedError("PagedBatch serves full-attention models (no sliding windows)")
         route_attention(model)
         return cls(layout)
@@ -85,10 +83,6 @@ class PagedBatch:
             return self.rows.tables(0)
         return self.rows.row_tables(self._row(row))
 
-    def _check(self) -> None:
-        if self._released:
-            raise ReleasedError("batch used after release()")
-
     def _row(self, row: object) -> int:
         if not self.size:
             raise KvShapeError(f"row {row!r} needs rows, but the batch has none (add rows with extend)")
@@ -99,7 +93,7 @@ class PagedBatch:
         """Move a one-sequence paged cache in as a new row (no K/V is copied); returns
         its row. It must use the batch's layout (same pools, layers and windows) with
         every layer at its tables' length; it is emptied (the batch owns its pages)."""
-        self._check()
+        self.rows.check_alive()
         if not isinstance(prompt_cache, PagedPromptCache):
             raise InvalidTypeError(f"extend takes a PagedPromptCache, got {type(prompt_cache).__name__}")
         new = self.rows.take_rows(prompt_cache.rows, "moved into a batch by PagedBatch.extend")
@@ -108,12 +102,12 @@ class PagedBatch:
 
     def extract(self, row: int) -> PagedPromptCache:
         """Move row ``row`` out as a one-sequence cache (no copy); the other rows stay."""
-        self._check()
+        self.rows.check_alive()
         return PagedPromptCache.of_rows(self.rows.split_row(self._row(row)))
 
     def filter(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (in that order) and release every other row's pages."""
-        self._check()
+        self.rows.check_alive()
         if not isinstance(keep, (list, tuple, range)):
             raise InvalidTypeError(f"keep must be a list of row indices, got {type(keep).__name__}")
         keep = [check_int("row", i) for i in keep]
@@ -123,9 +117,7 @@ class PagedBatch:
 
     def release(self) -> None:
         """Release every row (exactly once)."""
-        self._check()
         self.rows.release()
-        self._released = True
 
 
 class PagedBatchKVCache(LayerFace):
@@ -142,26 +134,13 @@ class PagedBatchKVCache(LayerFace):
         """int32 [B]: each row's position before this layer's next write (RoPE start)."""
         return mx.array(self.rows.offsets[self.layer].astype(np.int32))
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array):
-        self.batch._check()
-        return super().update_and_fetch(keys, values)
-
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """Bool [B, 1, N, W]: row b's query i (at position len_b + i) sees keys
         j <= len_b + i (and, with a window, j > len_b + i - window)."""
-        self.batch._check()
         self.rows.check_alive()
         if not self.batch.size:
             raise KvShapeError("a mask needs rows, but the batch has none (add rows with extend)")
-        mask = self.rows.mask(self.layer, N, window_size)
-        self._kernel_mask = mask if window_size is None or window_size == self.window else None
-        return mask
-
-    def fetch_shared(self, kind: str = "view"):
-        """This step's K/V of every row as a SharedKv, with ``offset_arr`` = the rows'
-        pre-write positions (an owned copy). The caller releases it."""
-        self.batch._check()
-        return super().fetch_shared(kind)
+        return self.rows.mask(self.layer, N, window_size)
 
     def empty(self) -> bool:
         return self.batch.size == 0

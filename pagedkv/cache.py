@@ -25,8 +25,6 @@ affine-quantised pages with one codec for K and V (mlx-lm's quantised attention 
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 import numpy as np
 
@@ -57,7 +55,6 @@ class LayerFace:
         self.layer = layer
         self.pool_layer = rows.layout.layers[layer][1]
         self.pool = rows.pool_of(layer)
-        self._kernel_mask = None  # the mask make_mask last returned, if it adds no window
         kind = self.pool.kind
         if kind.mlx_quantized:  # mlx-lm dispatches on hasattr(cache, "bits")
             self.bits = kind.k_codec.bits
@@ -84,8 +81,7 @@ class LayerFace:
         """This step's attention, read from the pages (``route_attention`` calls it in
         place of mlx-lm's ``scaled_dot_product_attention``; see the module doc)."""
         self.rows.check_alive()
-        ours = mask is None or mask is self._kernel_mask
-        return self.rows.attend(self.layer, queries, scale, mask, ours, self.exact)
+        return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask), self.exact)
 
     def fetch_shared(self, kind: str = "view") -> SharedKv:
         """This step's K/V as a SharedKv (call after the step's write; caller releases
@@ -149,17 +145,13 @@ class PagedKVCache(LayerFace):
         """Append [1, kv_heads, T, D] keys/values; returns the pre-write offset."""
         return int(self.rows.write(self.layer, keys, values)[0])
 
-    def visible_start(self, first_query: int) -> int:
-        """First key position a query at ``first_query`` can see (0 without a window)."""
-        return window_start(first_query, self.window)
-
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The mask matching the keys the next ``update_and_fetch(N tokens)`` returns."""
         self.rows.check_alive()
         offset = self.offset
         if self.window is None:
             mask = attention_mask(N, offset, return_array, window_size)
-            self._kernel_mask = mask if window_size is None else None
+            self.rows.note_mask(self.layer, mask if window_size is None else None)
             return mask
         lo = window_start(offset, self.window)
         window = window_size or self.window
@@ -170,7 +162,7 @@ class PagedKVCache(LayerFace):
             mask = attention_mask(N, local, True, window)
         else:
             mask = "causal"
-        self._kernel_mask = mask if window == self.window else None
+        self.rows.note_mask(self.layer, mask if window == self.window else None)
         return mask
 
     def size(self) -> int:
@@ -201,7 +193,7 @@ class PagedKVCache(LayerFace):
         rows = self.rows
         rows.check_alive()
         keys, values = kv[0], kv[1]
-        rows._validate(self.layer, keys, values)
+        rows.check_kv(self.layer, keys, values)
         length = keys.shape[2]
         table = self.table
         spec = rows.layout.layers[self.layer][0]

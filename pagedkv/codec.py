@@ -21,7 +21,6 @@ as well as for values, since attention is linear in V).
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
 
 import attrs
 import mlx.core as mx
@@ -183,20 +182,3 @@ def rotated(bits: int, dim: int, group_size: int = 64, seed: int = 0,
             scale_dtype: mx.Dtype | None = None) -> RotatedAffineQuant:
     """A TurboQuant codec for ``dim``-wide heads."""
     return RotatedAffineQuant(bits, group_size, scale_dtype, seed, dim=dim)
-
-
-def restore_for_rows(unrotate: Callable[[mx.array], mx.array], rotated_rows: Sequence[bool]) -> Callable[[mx.array], mx.array]:
-    """A ``restore_values`` for a batch where only some rows hold rotated values.
-
-    ``rotated_rows``: one bool per batch row, captured now. The returned function
-    un-rotates the attention output [B, heads, L, D] of those rows and leaves the rest.
-    """
-    rows = mx.array([bool(r) for r in rotated_rows])[:, None, None, None]
-    mx.eval(rows)
-
-    def restore(out: mx.array) -> mx.array:
-        if out.shape[0] != rows.shape[0]:
-            raise ValueError(f"output has {out.shape[0]} rows, restore was made for {rows.shape[0]}")
-        return mx.where(rows, unrotate(out), out)
-
-    return restore

@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import os
 import weakref
-from typing import Callable, Sequence
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from allocators import BlockAllocator, FreeListAllocator, PageState
 from pagedkv.codec import AffineQuant, FullPrecision, PageCodec
-from pagedkv.page_kind import PageKind, Parts
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -49,6 +48,7 @@ from pagedkv.errors import (
     KvShapeError,
     check_int,
 )
+from pagedkv.page_kind import PageKind, Parts
 
 DEFAULT_CACHE_LIMIT = 1 << 30
 """Bytes of freed buffers MLX may keep for reuse, set when a pool is created (see
@@ -197,19 +197,22 @@ class PagePool:
         return table, mx.array(index)
 
     # ------------------------------------------------------------------ read / write
-    def _validate(self, layer: int, keys: mx.array, values: mx.array) -> None:
-        check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+    def check_kv(self, keys: mx.array, values: mx.array, rows: int | None = None) -> int:
+        """Raise ``KvShapeError``/``KvDTypeError`` unless ``keys``/``values`` are
+        [rows, kv_heads, T, D] mx.arrays (without ``rows``: [kv_heads, T, D]) of the pool's
+        dtype with the same T >= 1; returns T."""
+        lead = () if rows is None else (rows,)
         for name, x, d in (("keys", keys, self.head_dim), ("values", values, self.v_head_dim)):
             if not isinstance(x, mx.array):
                 raise KvShapeError(f"{name} must be an mx.array, got {type(x).__name__}")
-            if x.ndim != 3 or x.shape[0] != self.num_kv_heads or x.shape[2] != d:
-                raise KvShapeError(
-                    f"{name} must be [kv_heads={self.num_kv_heads}, T, {d}], got {tuple(x.shape)}"
-                )
+            if x.shape[:-2] != (*lead, self.num_kv_heads) or x.shape[-1] != d or x.shape[-2] == 0:
+                raise KvShapeError(f"{name} must be [{'rows=%d, ' % rows if lead else ''}kv_heads="
+                                   f"{self.num_kv_heads}, T >= 1, {d}], got {tuple(x.shape)}")
             if x.dtype != self.dtype:
                 raise KvDTypeError(f"{name} dtype {x.dtype} != pool dtype {self.dtype}")
-        if keys.shape[1] != values.shape[1]:
-            raise KvShapeError(f"keys have {keys.shape[1]} tokens, values {values.shape[1]}")
+        if keys.shape[-2] != values.shape[-2]:
+            raise KvShapeError(f"keys have {keys.shape[-2]} tokens, values {values.shape[-2]}")
+        return keys.shape[-2]
 
     def write(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Write tokens into ``layer``: ``keys`` [kv_heads, T, D] go to (rows, slots).
@@ -217,7 +220,8 @@ class PagePool:
         The single write path of pagedkv. In place (buffer donation) unless a caller
         keeps a pending read of this layer, which is evaluated first.
         """
-        self._validate(layer, keys, values)
+        check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        self.check_kv(keys, values)
         k_parts = self.k_codec.encode(keys)  # quantised pages: a token is encoded when written
         v_parts = self.v_codec.encode(values)
         self._settle_reads(layer)
@@ -301,12 +305,6 @@ class PagePool:
             for a, blk in zip(arrays, blocks):
                 a[d] = blk
         mx.eval(self._k, self._v)
-
-    def each_layer_array(self, fn: Callable[[mx.array, mx.array], None]) -> None:
-        """Call ``fn(K, V)`` per layer and component (for tests and tools; do not keep them)."""
-        for ks, vs in zip(self._k, self._v):
-            for k, v in zip(ks, vs):
-                fn(k, v)
 
     def __repr__(self) -> str:
         return (

@@ -46,17 +46,16 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.attention import attend_parts, decode_kernel
 from pagedkv.codec import AffineQuant
 from pagedkv.errors import (
     InvalidValueError,
-    KvDTypeError,
     KvShapeError,
     NotSupportedError,
     PoolExhausted,
     ReleasedError,
     check_int,
 )
+from pagedkv.page_read import PageRead
 from pagedkv.pool import PagePool
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.table import PageTable
@@ -70,14 +69,8 @@ _SHARED_KINDS = ("view", "plain", "quant")
 class TableSpec:
     """One page table per row lives in ``pool``; ``window`` None means full attention."""
 
-    pool: PagePool = attrs.field(eq=False)
+    pool: PagePool = attrs.field(eq=id)  # the same pool, not an equal one
     window: int | None
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, TableSpec) and self.pool is other.pool and self.window == other.window
-
-    def __hash__(self) -> int:
-        return hash((id(self.pool), self.window))
 
 
 @attrs.frozen
@@ -104,10 +97,6 @@ class LayerLayout:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    @property
-    def full_attention(self) -> bool:
-        return all(s.window is None for s in self.specs)
-
 
 class RowSet:
     def __init__(self, layout: LayerLayout, tables: Sequence[Sequence[PageTable]] = ()) -> None:
@@ -127,8 +116,8 @@ class RowSet:
         self.step_starts = self.offsets.copy()
         self._moved: str | None = None  # why the rows are gone, once moved out
         self._released = False
-        self._version = 0  # bumped whenever rows or their pages change
         self._memo: dict = {}
+        self._masks: dict[int, mx.array] = {}  # per spec: the last mask ``mask`` made
         # The open step (none while the journal is empty): the tables it grew with their
         # UndoRecords, in reservation order; the specs it grew; where it started; each
         # written layer's positions before it; how many layers write it in all.
@@ -181,7 +170,7 @@ class RowSet:
         if self._moved is not None:
             raise ReleasedError(f"this cache's pages were {self._moved}; use the new owner instead")
         if self._released:
-            raise ReleasedError("cache used after its pages were released")
+            raise ReleasedError("used after release()")
         for ts in self._tables:
             for t in ts:
                 if t.released:
@@ -213,7 +202,7 @@ class RowSet:
             raise InvalidValueError("the rows' layers use other pools, layers or windows than these rows")
         for s, ts in enumerate(other._tables):
             for b, t in enumerate(ts):
-                held = other.offsets[[i for i, (sp, _) in enumerate(self.layout.layers) if sp == s], b]
+                held = other.offsets[self.layers_of(s), b]
                 if (held != t.num_tokens).any():
                     raise InvalidValueError(f"every layer must hold the same {t.num_tokens} tokens, "
                                             f"got {held.tolist()}")
@@ -282,7 +271,6 @@ class RowSet:
         self._changed()
 
     def _changed(self) -> None:
-        self._version += 1
         self._memo.clear()
 
     # ------------------------------------------------------------------ one layer's step
@@ -292,7 +280,7 @@ class RowSet:
         self.check_alive()
         start = self.offsets[layer].copy()
         try:
-            count = self._validate(layer, keys, values)
+            count = self.check_kv(layer, keys, values)
             self._prepare(layer, start, count)
             spec, pool_layer = self.layout.layers[layer]
             pool = self.layout.specs[spec].pool
@@ -313,31 +301,14 @@ class RowSet:
             self._close_step()
         return start
 
-    def _validate(self, layer: int, keys: mx.array, values: mx.array) -> int:
-        pool = self.pool_of(layer)
+    def check_kv(self, layer: int, keys: mx.array, values: mx.array) -> int:
+        """Raise a typed error unless ``keys``/``values`` fit a write of ``layer`` (one
+        [kv_heads, T, D] block per row); returns T. Changes nothing."""
         if self.num_rows == 0:
             raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
-        for name, x, d in (("keys", keys, pool.head_dim), ("values", values, pool.v_head_dim)):
-            if not isinstance(x, mx.array):
-                raise KvShapeError(f"{name} must be an mx.array, got {type(x).__name__}")
-            if x.ndim != 4:
-                raise KvShapeError(f"{name} must be [B, kv_heads, T, D], got shape {tuple(x.shape)}")
-            b, h, t, dd = x.shape
-            if b != self.num_rows and self.num_rows == 1:
-                raise NotSupportedError(f"a one-sequence cache takes batch 1, got {b} (use PagedBatch)")
-            if b != self.num_rows:
-                raise KvShapeError(f"{name} have batch {b}, the cache holds {self.num_rows} rows")
-            if h != pool.num_kv_heads:
-                raise KvShapeError(f"{name} have {h} kv heads, the pool {pool.num_kv_heads}")
-            if dd != d:
-                raise KvShapeError(f"{name} head_dim {dd} != pool's {d}")
-            if t == 0:
-                raise KvShapeError(f"{name} have no tokens (T = 0)")
-            if x.dtype != pool.dtype:
-                raise KvDTypeError(f"{name} dtype {x.dtype} != pool dtype {pool.dtype}")
-        if keys.shape[2] != values.shape[2]:
-            raise KvShapeError(f"keys have {keys.shape[2]} tokens, values {values.shape[2]}")
-        return keys.shape[2]
+        if self.num_rows == 1 and getattr(keys, "ndim", 0) == 4 and keys.shape[0] != 1:
+            raise NotSupportedError(f"a one-sequence cache takes batch 1, got {keys.shape[0]} (use PagedBatch)")
+        return self.pool_of(layer).check_kv(keys, values, rows=self.num_rows)
 
     def _prepare(self, layer: int, start: np.ndarray, count: int) -> None:
         """Make tokens [start, start + count) of every row of ``layer``'s tables writable."""
@@ -401,8 +372,8 @@ class RowSet:
         spec = self.layout.layers[layer][0]
         if spec not in self._step_specs or layer in self._saved or not self._journal:
             return
-        for l, (offsets, starts) in self._saved.items():
-            self.offsets[l], self.step_starts[l] = offsets, starts
+        for saved, (offsets, starts) in self._saved.items():
+            self.offsets[saved], self.step_starts[saved] = offsets, starts
         for table, record in reversed(self._journal):  # the free list's order returns too
             table.undo(record)
         self._forget_step()
@@ -428,67 +399,53 @@ class RowSet:
             self._memo[key] = hit
         return hit
 
-    def read_plan(self, layer: int, lo: np.ndarray, hi: np.ndarray):
-        """(page table int32 [B, width], take-indices, first page per row, width) for
-        tokens [lo[b], hi[b]) of every row of ``layer``; memoised per step."""
-        spec = self.layout.layers[layer][0]
+    def read_plan(self, layer: int, lo: np.ndarray, hi: np.ndarray) -> PageRead:
+        """Where tokens [lo[b], hi[b]) of every row of ``layer`` live; memoised per step
+        for all layers of one table spec."""
+        spec, pool_layer = self.layout.layers[layer]
         key = ("r", spec, lo.tobytes(), hi.tobytes())
-        hit = self._memo.get(key)
-        if hit is None:
-            pool = self.layout.specs[spec].pool
-            first, stop, width = page_span(lo, hi, pool.page_size)
-            rows = [t.page_ids(f, e) for t, f, e in zip(self._tables[spec], first, stop)]
-            snapshot, index = pool.gather_index(rows)
-            hit = (mx.array(snapshot.astype(np.int32)), index, first, width)
-            self._memo[key] = hit
-        return hit
+        plan = self._memo.get(key)
+        if plan is None:
+            plan = self._memo[key] = PageRead.of(self.layout.specs[spec].pool, 0, self._tables[spec], lo, hi)
+        return attrs.evolve(plan, layer=pool_layer) if pool_layer != plan.layer else plan
 
     def read(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None,
              exact: bool = True):
         """The gathered page components of tokens [lo, hi) per row (default: the
-        layer's visible range). ``exact`` (one row only): exactly those tokens; else
-        [B, kv_heads, width * page_size, c] from each row's first page, padded with the
-        null page (``mask`` describes them)."""
+        layer's visible range); layout as ``PageRead.parts(exact)``."""
         if lo is None:
             lo, hi = self.visible_range(layer)
-        _, index, first, width = self.read_plan(layer, lo, hi)
-        pool = self.pool_of(layer)
-        pool_layer = self.layout.layers[layer][1]
-        ps = pool.page_size
-        if exact and self.num_rows == 1:
-            base = int(first[0]) * ps
-            return pool.gather(pool_layer, index, int(lo[0]) - base, int(hi[0]) - base)
-        return pool.gather(pool_layer, index, 0, width * ps, rows=self.num_rows)
+        return self.read_plan(layer, lo, hi).parts(exact)
 
     def mask(self, layer: int, n_queries: int, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, width] for the keys the layer's next write of
-        ``n_queries`` tokens per row will return (``read`` after that write)."""
+        ``n_queries`` tokens per row will return (``read(exact=False)`` after it)."""
         start = self.offsets[layer]
         lo, hi = window_start(start, self.spec_of(layer).window), start + n_queries
         ps = self.pool_of(layer).page_size
         first, _, width = page_span(lo, hi, ps)
-        return key_mask(start, n_queries, first * ps, width * ps, lo, hi,
+        mask = key_mask(start, n_queries, first * ps, width * ps, lo, hi,
                         window=window or self.spec_of(layer).window)
+        self.note_mask(layer, mask if window in (None, self.spec_of(layer).window) else None)
+        return mask
+
+    def note_mask(self, layer: int, mask) -> None:
+        """Remember ``mask`` as the one made for the next step of ``layer``'s kind
+        (None: it adds more than the rows' ranges), so every layer of that kind knows
+        it may let the kernel apply the ranges instead (``owns_mask``)."""
+        self._masks[self.layout.layers[layer][0]] = mask
+
+    def owns_mask(self, layer: int, mask) -> bool:
+        """``mask`` is None or the one ``note_mask`` recorded for ``layer``'s kind."""
+        return mask is None or mask is self._masks.get(self.layout.layers[layer][0])
 
     def attend(self, layer: int, queries: mx.array, scale: float, mask, mask_is_ours: bool,
                exact: bool = True) -> mx.array:
         """Attention of this step's queries over the layer's visible keys, read from the
-        pages (the CUDA kernel for a decode step where it applies, else the gathered
-        components through :func:`pagedkv.attention.attend_parts`). ``mask_is_ours``:
-        ``mask`` is None or what ``mask`` made for this step, so the kernel may apply
-        the rows' ranges itself. ``exact``: the keys' layout, as for ``read``."""
-        pool = self.pool_of(layer)
-        lo, hi = self.visible_range(layer)
-        if mask_is_ours and queries.shape[2] == 1:
-            table, _, first, _ = self.read_plan(layer, lo, hi)
-            base = first * pool.page_size
-            k_pool, v_pool = pool.layer_arrays(self.layout.layers[layer][1])
-            out = decode_kernel(queries, pool.kind, k_pool, v_pool, table, mx.array((lo - base).astype(np.int32)),
-                                mx.array((hi - base).astype(np.int32)), scale, pool.num_pages, pool.page_size)
-            if out is not None:
-                return out
-        k_parts, v_parts = self.read(layer, lo, hi, exact)
-        return attend_parts(queries, k_parts, v_parts, scale, mask, pool.kind)
+        pages (``PageRead.attend``); ``mask_is_ours``: ``mask`` is None or what ``mask``
+        made for this step."""
+        return self.read_plan(layer, *self.visible_range(layer)).attend(
+            queries, scale, mask, exact=exact, kernel=mask_is_ours)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:
@@ -567,8 +524,7 @@ class RowSet:
     def _shrink_tables(self) -> None:
         """Shrink each table to its furthest layer (after layers trimmed)."""
         for s, ts in enumerate(self._tables):
-            members = [i for i, (sp, _) in enumerate(self.layout.layers) if sp == s]
-            furthest = self.offsets[members].max(axis=0)
+            furthest = self.offsets[self.layers_of(s)].max(axis=0)
             for t, target in zip(ts, furthest):
                 if target < t.num_tokens:
                     t.trim(t.num_tokens - int(target))

@@ -167,13 +167,6 @@ class PageTable:
         self._n, self._dropped, self.num_tokens = n, record.dropped, record.num_tokens
         self.pool.allocator.decref(record.allocated[::-1].copy())
 
-    def reserve(self, count: int) -> int:
-        """Append room for ``count`` tokens (``prepare_write`` at the end); returns the
-        first new position."""
-        start = self.num_tokens
-        self.prepare_write(start, count)
-        return start
-
     def adopt(self, pages: Sequence[int]) -> None:
         """Start an empty table with ``pages``, all full, on which the caller has
         already taken one reference each (a prefix-cache hit)."""

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import attrs
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.attention import attend_parts, decode_kernel
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -35,8 +35,9 @@ from pagedkv.errors import (
     ReleasedError,
     check_int,
 )
+from pagedkv.page_read import PageRead
 from pagedkv.pool import PagePool
-from pagedkv.visibility import key_mask, page_span, window_start
+from pagedkv.visibility import window_start
 
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
@@ -58,7 +59,6 @@ class KvAttentionView:
         tables = list(tables)
         if not tables:
             raise InvalidValueError("a view needs at least one page table")
-        ps = pool.page_size
         lengths = [t.num_tokens for t in tables] if lengths is None else [check_int("length", n) for n in lengths]
         starts = [t.first_visible() for t in tables] if starts is None else [check_int("start", n) for n in starts]
         if len(lengths) != len(tables) or len(starts) != len(tables):
@@ -75,21 +75,13 @@ class KvAttentionView:
                 )
         self.starts = list(starts)  # first visible token per row
         self.lengths = list(lengths)  # one past the last
-        self._lo = np.array(starts, dtype=np.int64)
-        self._hi = np.array(lengths, dtype=np.int64)
-        first, stop, width = page_span(self._lo, self._hi, ps)
-        rows = [t.page_ids(f, e) for t, f, e in zip(tables, first, stop)]
-        # the page-table snapshot [B, width] and head-major take-indices, one set per view
-        snapshot, self._index = pool.gather_index(rows)
-        self._table = mx.array(snapshot.astype(np.int32))  # the kernel path reads this
-        held = np.concatenate(rows)
-        pool.allocator.incref(held)  # the last step that can fail: nothing to undo
-        self._held = held
+        self._read = PageRead.of(pool, layer, tables, np.array(starts, dtype=np.int64),
+                                 np.array(lengths, dtype=np.int64))
+        pool.allocator.incref(self._read.pages)  # the last step that can fail: nothing to undo
+        self._held = self._read.pages
         self.pool = pool
         self.layer = layer
-        self.batch = len(rows)
-        self.key_base = first * ps  # token position of each row's first gathered column
-        self._width_tokens = width * ps
+        self.batch = len(tables)
         self._released = False
 
     @classmethod
@@ -119,11 +111,7 @@ class KvAttentionView:
         with each row's tokens from its first page (see ``valid_mask``).
         """
         self._check()
-        pool = self.pool
-        if self.batch == 1:
-            off = int(self.key_base[0])
-            return pool.gather(self.layer, self._index, self.starts[0] - off, self.lengths[0] - off)
-        return pool.gather(self.layer, self._index, 0, self._width_tokens, rows=self.batch)
+        return self._read.parts(exact=True)
 
     def keys_values(self) -> tuple[mx.array, mx.array]:
         """Contiguous float K/V (decoded and un-rotated for quantised pages); layout as
@@ -131,17 +119,9 @@ class KvAttentionView:
         return self.pool.kind.decode(*self.parts())
 
     def valid_mask(self, n_queries: int, causal: bool, window: int | None = None) -> mx.array:
-        """Bool [B, 1, n_queries, width]: which gathered keys each row's queries may see.
-
-        Queries are the row's last ``n_queries`` positions (ending at its length); the
-        columns are those of ``parts``.
-        """
-        if self.batch == 1:  # parts() returns exactly [start, length)
-            base, width = self._lo, self.lengths[0] - self.starts[0]
-        else:
-            base, width = self.key_base, self._width_tokens
-        return key_mask(self._hi - n_queries, n_queries, base, width,
-                        self._lo, self._hi, causal=causal, window=window)
+        """Bool [B, 1, n_queries, keys]: which keys of ``parts`` each row's last
+        ``n_queries`` positions may see."""
+        return self._read.mask(n_queries, exact=True, causal=causal, window=window)
 
     def attend(self, q: mx.array, scale: float, mask=None, window: int | None = None) -> mx.array:
         """Attention of ``q`` [B, n_heads, L, D] over the view (GQA: n_heads % kv_heads == 0).
@@ -150,7 +130,7 @@ class KvAttentionView:
         broadcastable to [B, n_heads, L, keys]; ``window`` additionally limits each query
         to the last ``window`` keys up to its position (a drafter's sliding window).
         On a CUDA GPU one query per row reads the pool through the kernel; otherwise the
-        pages are gathered and :func:`pagedkv.attention.attend_parts` computes it.
+        pages are gathered (``PageRead.attend``).
         """
         self._check()
         if not isinstance(q, mx.array) or q.ndim != 4:
@@ -162,24 +142,19 @@ class KvAttentionView:
                 f"queries {tuple(q.shape)} do not fit a view of {self.batch} rows, "
                 f"{pool.num_kv_heads} kv heads, head_dim {pool.head_dim}"
             )
-        if mask is None:
-            lo = self._lo if window is None else np.maximum(self._lo, self._hi - window)
-            k_pool, v_pool = pool.layer_arrays(self.layer)
-            out = decode_kernel(q, pool.kind, k_pool, v_pool, self._table,
-                                mx.array((lo - self.key_base).astype(np.int32)),
-                                mx.array((self._hi - self.key_base).astype(np.int32)),
-                                scale, pool.num_pages, pool.page_size)
-            if out is not None:
-                return out
-        k_parts, v_parts = self.parts()
-        if self.batch > 1 or window is not None:
-            row = self.valid_mask(n_q, causal=(mask == "causal" or window is not None), window=window)
-            if self.batch == 1:
-                row = row[0, 0]
+        read, causal = self._read, isinstance(mask, str) and mask == "causal"
+        kernel = n_q == 1 and (mask is None or causal)  # one query: the rows' ranges say it all
+        if kernel and window is not None:  # ... its window too
+            read, window = attrs.evolve(read, lo=np.maximum(read.lo, read.hi - window)), None
+        if read.num_rows > 1 or window is not None:
+            row = read.mask(n_q, exact=True, causal=causal or window is not None, window=window)
+            row = row[0, 0] if read.num_rows == 1 else row
             if isinstance(mask, mx.array):
                 row = row & mask if mask.dtype == mx.bool_ else mx.where(row, mask, -mx.inf)
             mask = row
-        return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)
+        elif kernel:
+            mask = None
+        return read.attend(q, scale, mask, exact=True, kernel=kernel)
 
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:

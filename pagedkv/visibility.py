@@ -8,6 +8,12 @@ so gathered column c of row b holds key position ``key_base[b] + c``::
     row b:  | page first[b] | ...            | page stop[b]-1 |  (padding: null page)
             ^ key_base[b] = first[b] * page_size
 
+Names used for positions everywhere: ``offsets`` (tokens a layer holds), ``step_starts``
+(positions before a layer's last write: the RoPE start, ``SharedKv.offset``),
+``window_start(p)`` (first key a query at p sees), ``PageTable.first_visible()`` (first
+token whose page is still held), ``lo``/``hi`` (a row's visible range) and ``key_base``
+(the key position of a row's first gathered column).
+
 Every function here takes numpy vectors over rows (a single sequence is one row) and
 does O(rows) Python work; masks are built as one broadcast, never per row.
 """

@@ -31,7 +31,7 @@ def _owner(o) -> tuple:
     if isinstance(o, PagedPromptCache):
         return ("prompt", len(o), _rows(o.rows))
     if isinstance(o, PagedBatch):
-        return ("batch", o._released, _rows(o.rows))
+        return ("batch", _rows(o.rows))
     raise TypeError(f"no snapshot for {type(o).__name__}")
 
 
@@ -41,7 +41,7 @@ def state_of(pool, *owners, arrays: bool = True) -> tuple:
              tuple(a._lru), np.asarray(a._free_ids()).tobytes())
     data = []
     if arrays:
-        pool.each_layer_array(lambda k, v: data.append((_bytes(k), _bytes(v))))
+        data = [(_bytes(k), _bytes(v)) for ks, vs in zip(pool._k, pool._v) for k, v in zip(ks, vs)]
     return alloc, tuple(data), tuple(_owner(o) for o in owners)
 
 

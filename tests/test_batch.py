@@ -4,7 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
-from tiny_models import greedy, make_model, make_pool, prompt_of
+from tiny_models import PAGE_KINDS, greedy, make_model, make_pool, prompt_of
 
 from pagedkv import KvShapeError, PagedBatch, PoolExhausted, ReleasedError, make_paged_cache
 
@@ -89,9 +89,27 @@ def test_batched_decode_matches_mlx_lm_batch_kv_cache_with_a_row_joining(kind):
     assert pool.allocator.num_in_use() == 0
 
 
-def test_rows_leave_and_are_extracted_without_touching_other_rows():
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_every_batched_row_equals_decoding_that_row_alone_on_every_page_kind(pages):
     model = make_model("llama")
-    pool = make_pool("llama", page_size=8, num_pages=128)
+    pool = make_pool("llama", page_size=8, num_pages=128, pages=pages)
+    tokens, logits, batch = paged_run(model, pool)
+    for i, (p, row) in enumerate(zip(PROMPTS, tokens)):
+        with make_paged_cache(model, pool) as solo:
+            solo_tokens, solo_logits = greedy(model, p, solo, len(row))
+        assert solo_tokens == row
+        first = 0 if i < 2 else JOIN_AT  # the third row joined at step JOIN_AT
+        for step, ref in enumerate(solo_logits[1:], start=first):
+            assert mx.abs(logits[step][i] - ref).max().item() <= 1e-4
+    batch.release()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_rows_leave_and_are_extracted_without_touching_other_rows(pages):
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=8, num_pages=128, pages=pages)
     _, _, batch = paged_run(model, pool)
     pages_before = [t.pages.tolist() for t in batch.tables()]
     row2 = batch.extract(2)
@@ -130,9 +148,10 @@ def test_offset_is_an_int32_array_of_row_positions_and_shared_offset_arr_is_owne
     batch.release()
 
 
-def test_a_step_that_cannot_get_pages_for_every_row_changes_nothing():
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_a_step_that_cannot_get_pages_for_every_row_changes_nothing(pages):
     model = make_model("llama")
-    pool = make_pool("llama", page_size=4, num_pages=8)  # 7 usable pages
+    pool = make_pool("llama", page_size=4, num_pages=8, pages=pages)  # 7 usable pages
     batch = PagedBatch.for_model(model, pool)
     for p in (prompt_of(12, seed=1), prompt_of(12, seed=2)):  # 3 pages each, both full
         c = make_paged_cache(model, pool)

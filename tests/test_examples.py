@@ -20,12 +20,14 @@ def run(*args: str, timeout: int = 300) -> str:
 
 
 @needs_model
+@pytest.mark.slow
 def test_generate_example():
     out = run("examples/generate.py", "What is the capital of France?", "--max-tokens", "12")
     assert "Paris" in out and "[after release: 0 pages in use]" in out
 
 
 @needs_model
+@pytest.mark.slow
 def test_parallel_sampling_example_saves_memory():
     out = run("examples/parallel_sampling.py", "--n", "3", "--max-tokens", "6")
     assert "saved by sharing" in out

@@ -51,7 +51,7 @@ def check_against_references(dtype, d, lengths, hq=16, pipeline=paged_decode.DEF
     q = mx.array(rng.standard_normal((len(lengths), hq, 1, d)).astype(np.float32)).astype(dtype)
     scale = d ** -0.5
     view = KvAttentionView(pool, 0, [c.table for c in caches])
-    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._table, mx.array(lengths, dtype=mx.int32),
+    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
                                     mx.zeros((len(lengths),), mx.int32), scale, num_pages=pool.num_pages,
                                     page_size=pool.page_size, pipeline=pipeline, poison=True)
     assert not mx.isnan(got).any().item()  # every element was written
@@ -90,7 +90,7 @@ def test_any_split_count_and_pipeline_give_the_same_answer(splits, pipeline):
     pool, caches, kvs = random_pool(mx.float16, 128, [3000, 70])
     q = mx.random.normal((2, 8, 1, 128)).astype(mx.float16)
     view = KvAttentionView(pool, 0, [c.table for c in caches])
-    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._table, mx.array([3000, 70], dtype=mx.int32),
+    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._read.table, mx.array([3000, 70], dtype=mx.int32),
                                     mx.zeros((2,), mx.int32), 128 ** -0.5, num_pages=pool.num_pages,
                                     page_size=16, splits=splits, pipeline=pipeline, poison=True)
     assert rel(got, reference(q, kvs, 128 ** -0.5)) < TOL[mx.float16]
@@ -100,7 +100,7 @@ def test_rows_longer_than_one_blocks_page_ids_are_split():
     pool, caches, kvs = random_pool(mx.float16, 64, [5000, 300], ps=1)  # 5000 pages > MAX_PAGES_PER_SPLIT
     q = mx.random.normal((2, 8, 1, 64)).astype(mx.float16)
     view = KvAttentionView(pool, 0, [c.table for c in caches])
-    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._table, mx.array([5000, 300], dtype=mx.int32),
+    got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._read.table, mx.array([5000, 300], dtype=mx.int32),
                                     mx.zeros((2,), mx.int32), 0.125, num_pages=pool.num_pages,
                                     page_size=1, splits=1, poison=True)
     assert rel(got, reference(q, kvs, 0.125)) < TOL[mx.float16]
@@ -115,3 +115,40 @@ def test_window_start_skips_early_tokens():
     want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), k[:, :, -256:].astype(mx.float32),
                                                 v[:, :, -256:].astype(mx.float32), scale=0.125)
     assert rel(got, want) < TOL[mx.float16]
+
+
+def test_the_models_own_decode_step_and_the_batch_run_on_the_kernel(monkeypatch):
+    """route_attention sends mlx-lm's attention to the pages: a single cache's and a
+    batch's decode steps call the kernel and give mlx-lm's greedy tokens."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from tiny_models import greedy, make_model, make_pool, prompt_of
+
+    from pagedkv import PagedBatch, make_paged_cache
+
+    model = make_model("llama")
+    model.set_dtype(mx.float16)
+    calls = []
+    real = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    prompts = [prompt_of(40, seed=1), prompt_of(75, seed=2)]
+    pool = make_pool("llama", page_size=16, num_pages=64, dtype=mx.float16)
+    batch = PagedBatch.for_model(model, pool)
+    for p in prompts:
+        with make_paged_cache(model, pool) as solo:
+            tokens, _ = greedy(model, p, solo, 8)
+        ref, _ = greedy(model, p, make_prompt_cache(model), 8)
+        assert tokens == ref
+        c = make_paged_cache(model, pool)
+        model(mx.array(p)[None], cache=c)
+        batch.extend(c)
+    assert len(calls) >= 2 * 7 * len(model.layers)
+    calls.clear()
+    logits = model(mx.array([[1], [2]]), cache=batch.caches)
+    mx.eval(logits)
+    assert len(calls) == len(model.layers)
+    for row, p in enumerate(prompts):
+        ref_cache = make_prompt_cache(model)
+        model(mx.array(p)[None], cache=ref_cache)
+        ref = model(mx.array([[row + 1]]), cache=ref_cache)
+        assert rel(logits[row, -1], ref[0, -1]) < 2e-2
+    batch.release()

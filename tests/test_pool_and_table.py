@@ -1,8 +1,9 @@
-"""PagePool writes and reads, PageTable reserve/trim/fork/release, bad input."""
+"""PagePool writes and reads, PageTable prepare_write/trim/fork/release, bad input."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from tiny_models import PAGE_KINDS, codecs_for
 
 from pagedkv import (
     KvDTypeError,
@@ -15,12 +16,13 @@ from pagedkv import (
     ReleasedError,
 )
 
-H, D = 2, 8
+H, D = 2, 32
 
 
-def pool_of(num_pages=16, page_size=4, dtype=mx.float32, layers=2):
+def pool_of(num_pages=16, page_size=4, dtype=mx.float32, layers=2, pages="fp"):
+    k_codec, v_codec = codecs_for(pages, D)
     return PagePool(num_layers=layers, num_kv_heads=H, head_dim=D, page_size=page_size,
-                    num_pages=num_pages, dtype=dtype)
+                    num_pages=num_pages, dtype=dtype, k_codec=k_codec, v_codec=v_codec)
 
 
 def kv(t, dtype=mx.float32, seed=0):
@@ -30,7 +32,7 @@ def kv(t, dtype=mx.float32, seed=0):
 
 def pool_snapshot(pool):
     arrays = []
-    pool.each_layer_array(lambda k, v: arrays.append((np.array(k), np.array(v))))
+    arrays += [(np.array(k), np.array(v)) for ks, vs in zip(pool._k, pool._v) for k, v in zip(ks, vs)]
     return pool.allocator.stats(), arrays
 
 
@@ -75,6 +77,19 @@ def test_cache_returns_what_was_written_across_pages():
     assert cache.offset == 9 and cache.table.num_pages == 3
 
 
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_tokens_written_across_pages_read_back_as_written_at_once_on_every_page_kind(pages):
+    pool = pool_of(pages=pages)
+    split, whole = PagedKVCache(PageTable(pool), 0), PagedKVCache(PageTable(pool), 1)
+    k1, v1 = kv(6, seed=1)
+    k2, v2 = kv(3, seed=2)
+    split.update_and_fetch(k1, v1)
+    split.update_and_fetch(k2, v2)
+    whole.update_and_fetch(mx.concatenate([k1, k2], axis=2), mx.concatenate([v1, v2], axis=2))
+    assert all(mx.array_equal(a, b) for a, b in zip(split.state, whole.state))
+    assert split.offset == 9 and split.table.num_pages == 3
+
+
 @pytest.mark.parametrize(
     "keys,values,error",
     [
@@ -88,8 +103,9 @@ def test_cache_returns_what_was_written_across_pages():
         (np.zeros((1, H, 3, D), np.float32), mx.zeros((1, H, 3, D)), KvShapeError),
     ],
 )
-def test_bad_input_raises_typed_error_and_changes_nothing(keys, values, error):
-    pool = pool_of()
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_bad_input_raises_typed_error_and_changes_nothing(keys, values, error, pages):
+    pool = pool_of(pages=pages)
     cache = PagedKVCache(PageTable(pool), 0)
     cache.update_and_fetch(*kv(5))
     before = pool_snapshot(pool)
@@ -101,8 +117,9 @@ def test_bad_input_raises_typed_error_and_changes_nothing(keys, values, error):
     assert cache.offset == 5 and cache.table.num_tokens == 5
 
 
-def test_pool_exhausted_leaves_cache_and_pool_unchanged():
-    pool = pool_of(num_pages=4, page_size=4)  # 3 usable pages (page 0 is the null page)
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_pool_exhausted_leaves_cache_and_pool_unchanged(pages):
+    pool = pool_of(num_pages=4, page_size=4, pages=pages)  # 3 usable pages (page 0 is the null page)
     cache = PagedKVCache(PageTable(pool), 0)
     cache.update_and_fetch(*kv(10))
     before = pool.allocator.stats()
@@ -110,41 +127,45 @@ def test_pool_exhausted_leaves_cache_and_pool_unchanged():
         cache.update_and_fetch(*kv(5))
     assert pool.allocator.stats() == before
     assert cache.offset == 10 and cache.table.num_tokens == 10
-    k, _ = cache.update_and_fetch(*kv(2, seed=3))  # still usable
-    assert k.shape[2] == 12
+    cache.update_and_fetch(*kv(2, seed=3))  # still usable
+    assert cache.offset == 12 and cache.state[0].shape[2] == 12
 
 
-def test_trim_returns_tail_pages_and_release_returns_all():
-    pool = pool_of(page_size=4)
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_trim_returns_tail_pages_and_release_returns_all(pages):
+    pool = pool_of(page_size=4, pages=pages)
     t = PageTable(pool)
-    t.reserve(10)
+    t.prepare_write(t.num_tokens, 10)
     assert pool.allocator.num_in_use() == 3
     assert t.trim(5) == 5
     assert t.num_tokens == 5 and pool.allocator.num_in_use() == 2
     assert t.trim(100) == 5 and pool.allocator.num_in_use() == 0
-    t.reserve(1)
+    t.prepare_write(t.num_tokens, 1)
     t.release()
     assert pool.allocator.num_in_use() == 0
     with pytest.raises(ReleasedError):
         t.release()
     with pytest.raises(ReleasedError):
-        t.reserve(1)
+        t.prepare_write(t.num_tokens, 1)
     pool.allocator.check()
 
 
-def test_fork_shares_pages_and_copies_a_shared_partial_page_on_write():
-    pool = pool_of(page_size=4)
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_fork_shares_pages_and_copies_a_shared_partial_page_on_write(pages):
+    pool = pool_of(page_size=4, pages=pages)
     a = PagedKVCache(PageTable(pool), 0)
     k0, v0 = kv(6, seed=4)
     a.update_and_fetch(k0, v0)
+    before = a.state[0]
     tb = a.table.fork()
     b = PagedKVCache(tb, 0)
     b.offset = 6
     assert pool.allocator.num_in_use() == 2
-    ka, _ = a.update_and_fetch(*kv(1, seed=5))
-    kb, _ = b.update_and_fetch(*kv(1, seed=6))
+    a.update_and_fetch(*kv(1, seed=5))
+    b.update_and_fetch(*kv(1, seed=6))
+    ka, kb = a.state[0], b.state[0]
     assert pool.allocator.num_in_use() == 3  # one copied page
-    assert mx.array_equal(ka[:, :, :6], k0) and mx.array_equal(kb[:, :, :6], k0)
+    assert mx.array_equal(ka[:, :, :6], before) and mx.array_equal(kb[:, :, :6], before)
     assert not mx.array_equal(ka[:, :, 6], kb[:, :, 6])
     assert a.table.pages[0] == tb.pages[0] and a.table.pages[1] != tb.pages[1]
     a.table.release()
@@ -152,11 +173,12 @@ def test_fork_shares_pages_and_copies_a_shared_partial_page_on_write():
     assert pool.allocator.num_in_use() == 0
 
 
-def test_sliding_table_drops_pages_behind_the_window_and_refuses_deep_trim():
-    pool = pool_of(page_size=4, num_pages=32)
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_sliding_table_drops_pages_behind_the_window_and_refuses_deep_trim(pages):
+    pool = pool_of(page_size=4, num_pages=32, pages=pages)
     t = PageTable(pool, window=6)
     for _ in range(30):
-        t.reserve(1)
+        t.prepare_write(t.num_tokens, 1)
     assert t.num_pages <= 3
     assert (t.pages[: t.first_visible() // 4] == pool.null_page).all()
     with pytest.raises(ValueError):

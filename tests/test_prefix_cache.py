@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from tiny_models import make_model, make_pool, prompt_of
+from tiny_models import PAGE_KINDS, make_model, make_pool, prompt_of
 
 from pagedkv import PrefixCache, can_admit, make_paged_cache, pages_for, preempt
 from pagedkv.generation import generate
@@ -20,8 +20,9 @@ def run(model, cache, rest, n=12):
     return list(generate(model, cache, rest, max_tokens=n))
 
 
-def test_outputs_with_prefix_caching_equal_outputs_without(model):
-    pool = make_pool("llama", page_size=PS, num_pages=128)
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_outputs_with_prefix_caching_equal_outputs_without(model, pages):
+    pool = make_pool("llama", page_size=PS, num_pages=128, pages=pages)
     prefix = PrefixCache(pool)
     first = SYSTEM + prompt_of(6, seed=1)
     cache, rest = prefix.new_cache(model, first)
@@ -57,8 +58,9 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(model):
     cache.release()
 
 
-def test_released_pages_stay_cached_and_are_evicted_lru_only_when_needed(model):
-    pool = make_pool("llama", page_size=PS, num_pages=12)  # 11 usable pages
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_released_pages_stay_cached_and_are_evicted_lru_only_when_needed(model, pages):
+    pool = make_pool("llama", page_size=PS, num_pages=12, pages=pages)  # 11 usable pages
     prefix = PrefixCache(pool)
     old = prompt_of(24, seed=1)
     new = prompt_of(24, seed=2)
@@ -90,8 +92,9 @@ def test_a_hash_collision_is_caught_by_comparing_tokens(model, monkeypatch):
     assert len(prefix.match(a)) == 1
 
 
-def test_a_registered_page_is_never_overwritten(model):
-    pool = make_pool("llama", page_size=PS, num_pages=64)
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_a_registered_page_is_never_overwritten(model, pages):
+    pool = make_pool("llama", page_size=PS, num_pages=64, pages=pages)
     prefix = PrefixCache(pool)
     tokens = prompt_of(20, seed=4)
     cache, rest = prefix.new_cache(model, tokens)

@@ -13,12 +13,11 @@ from pagedkv import (
     PagedKVCache,
     PagePool,
     PageTable,
-    PlainKv,
     QuantKv,
     make_paged_cache,
     rotated,
 )
-from pagedkv.codec import QUANT_BITS, hadamard_self_inverse, restore_for_rows
+from pagedkv.codec import QUANT_BITS, hadamard_self_inverse
 
 H, QH, D = 2, 4, 128
 SCALE = D ** -0.5
@@ -122,22 +121,6 @@ def test_rotated_keys_rotate_the_query_to_match():
     with KvAttentionView.of_cache(cache) as view:
         got = view.attend(q, SCALE)
     assert rel_err(got, mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE)) < 0.02
-
-
-def test_restore_applies_the_inverse_only_to_rotated_rows():
-    codec = rotated(4, D)
-    mx.random.seed(8)
-    out = mx.random.normal((3, QH, 1, D))
-    restore = restore_for_rows(codec.unrotate, [True, False, True])
-    got = restore(out)
-    assert mx.allclose(got[0], codec.unrotate(out[0]), atol=1e-6)
-    assert mx.array_equal(got[1], out[1])
-    assert mx.allclose(got[2], codec.unrotate(out[2]), atol=1e-6)
-    kv = PlainKv(mx.zeros((3, H, 4, D)), mx.zeros((3, H, 4, D)), offset=3, restore_values=restore,
-                 v_rotated=True)
-    assert kv.attend(mx.zeros((3, QH, 1, D)), SCALE).shape == (3, QH, 1, D)
-    with pytest.raises(ValueError):
-        restore(out[:2])
 
 
 @pytest.mark.parametrize("dim", [80, 112, 160])

@@ -26,7 +26,7 @@ def solo(model, tokens, n):
     return out
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_served_outputs_equal_solo_greedy_even_with_preemption(prefix_caching):
     model, layers, kv_heads, head_dim, dtype, vocab = serve.load_model("random")
     pool = PagePool(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=8,
@@ -43,6 +43,7 @@ def test_served_outputs_equal_solo_greedy_even_with_preemption(prefix_caching):
     pool.allocator.check()
 
 
+@pytest.mark.slow
 def test_serve_example_runs_and_saves_a_plot(tmp_path):
     import subprocess
 

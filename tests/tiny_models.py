@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
-from pagedkv import PagePool
+from pagedkv import AffineQuant, PagePool, rotated
 
 VOCAB = 128
 
@@ -66,10 +66,29 @@ def kv_dims(kind: str) -> tuple[int, int, int]:
     return cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim
 
 
-def make_pool(kind: str, page_size: int = 16, num_pages: int = 256, dtype=mx.float32) -> PagePool:
+PAGE_KINDS = ("fp", "affine8", "rotated4", "mixed")
+"""Every page kind the engine serves: full precision; one 8-bit affine codec for K and V
+(mlx-lm's quantised attention path); TurboQuant-rotated 4-bit K and V; 8-bit affine K
+with rotated 4-bit V."""
+
+
+def codecs_for(pages: str, head_dim: int) -> tuple:
+    if pages not in PAGE_KINDS:
+        raise ValueError(pages)
+    return {
+        "fp": lambda: (None, None),
+        "affine8": lambda: (AffineQuant(8, 32), AffineQuant(8, 32)),
+        "rotated4": lambda: (rotated(4, head_dim, 32, seed=1), rotated(4, head_dim, 32, seed=2)),
+        "mixed": lambda: (AffineQuant(8, 32), rotated(4, head_dim, 32, seed=2)),
+    }[pages]()
+
+
+def make_pool(kind: str, page_size: int = 16, num_pages: int = 256, dtype=mx.float32,
+              pages: str = "fp") -> PagePool:
     layers, heads, head_dim = kv_dims(kind)
+    k_codec, v_codec = codecs_for(pages, head_dim)
     return PagePool(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
-                    page_size=page_size, num_pages=num_pages, dtype=dtype)
+                    page_size=page_size, num_pages=num_pages, dtype=dtype, k_codec=k_codec, v_codec=v_codec)
 
 
 def greedy(model, prompt: list[int], cache, steps: int) -> tuple[list[int], list[mx.array]]:

@@ -1,0 +1,92 @@
+"""``PageRead``: tokens [lo[b], hi[b]) of B rows of one pool layer, and how to read them.
+
+The one read path. A ``RowSet`` builds one per step and layer kind (memoised), a
+``KvAttentionView`` keeps one for its life. It snapshots each row's page ids from the
+row's first needed page, padded with the null page to the widest row::
+
+    table [B, width]:  row b = pages first[b] .. stop[b]-1 of its page table, then null
+    gathered column c of row b = key position key_base[b] + c   (key_base = first * ps)
+
+``parts(exact)`` gathers the page components (one row ``exact``: the tokens [lo, hi)
+themselves; else [B, kv_heads, width * page_size, c]); ``mask`` says which gathered
+keys each query sees; ``attend`` computes attention: the CUDA decode kernel straight
+from the pool where it applies, else the gathered parts through
+:func:`pagedkv.attention.attend_parts`.
+
+Ownership: a PageRead holds page ids, not references; its owner keeps the pages alive
+(a row set's tables, a view's references). Costs: building O(B + pages); ``parts`` one
+gather of O(B · width) pages; ``mask`` one broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import mlx.core as mx
+import numpy as np
+
+from pagedkv.attention import attend_parts
+from pagedkv.kernels import paged_decode
+from pagedkv.pool import PagePool
+from pagedkv.table import PageTable
+from pagedkv.visibility import key_mask, page_span
+
+
+@attrs.frozen
+class PageRead:
+    pool: PagePool
+    layer: int  # the pool's layer
+    lo: np.ndarray  # int64 [B]: first token of each row
+    hi: np.ndarray  # int64 [B]: one past the last
+    pages: np.ndarray  # every row's own page ids, concatenated (what a holder references)
+    key_base: np.ndarray  # int64 [B]: key position of each row's first gathered column
+    width: int  # gathered tokens per row (a multiple of the page size)
+    table: mx.array  # int32 [B, width / page_size] page ids, null-padded
+    index: mx.array  # int32 take-indices into the layer arrays (PagePool.gather_index)
+
+    @classmethod
+    def of(cls, pool: PagePool, layer: int, tables: Sequence[PageTable], lo: np.ndarray,
+           hi: np.ndarray) -> PageRead:
+        ps = pool.page_size
+        first, stop, width = page_span(lo, hi, ps)
+        rows = [t.page_ids(f, e) for t, f, e in zip(tables, first, stop)]
+        snapshot, index = pool.gather_index(rows)
+        return cls(pool, layer, lo, hi, np.concatenate(rows), first * ps, width * ps,
+                   mx.array(snapshot.astype(np.int32)), index)
+
+    @property
+    def num_rows(self) -> int:
+        return self.lo.shape[0]
+
+    def parts(self, exact: bool):
+        """The gathered K and V components (packed pages stay packed); see module doc."""
+        if exact and self.num_rows == 1:
+            base = int(self.key_base[0])
+            return self.pool.gather(self.layer, self.index, int(self.lo[0]) - base, int(self.hi[0]) - base)
+        return self.pool.gather(self.layer, self.index, 0, self.width, rows=self.num_rows)
+
+    def mask(self, n_queries: int, exact: bool, causal: bool = True, window: int | None = None) -> mx.array:
+        """Bool [B, 1, n_queries, keys] over ``parts(exact)``: the queries are each row's
+        last ``n_queries`` positions (ending at hi)."""
+        if exact and self.num_rows == 1:
+            base, width = self.lo, int(self.hi[0] - self.lo[0])
+        else:
+            base, width = self.key_base, self.width
+        return key_mask(self.hi - n_queries, n_queries, base, width, self.lo, self.hi,
+                        causal=causal, window=window)
+
+    def attend(self, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool) -> mx.array:
+        """Attention of ``q`` [B, n_heads, L, D] over these keys. ``mask`` is over
+        ``parts(exact)``; ``kernel``: the caller vouches that ``mask`` adds nothing to
+        the rows' ranges (None, or one this read describes), so a one-query step may
+        take the CUDA kernel, which applies [lo, hi) itself."""
+        pool = self.pool
+        if kernel and pool.kind.decode_kernel and paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
+            return paged_decode.paged_decode(
+                q, *pool.layer_arrays(self.layer), self.table,
+                mx.array((self.hi - self.key_base).astype(np.int32)),
+                mx.array((self.lo - self.key_base).astype(np.int32)),
+                scale, num_pages=pool.num_pages, page_size=pool.page_size)
+        k_parts, v_parts = self.parts(exact)
+        return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)

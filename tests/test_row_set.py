@@ -1,0 +1,102 @@
+"""The row-set engine: one step's indices built once for all layers, attention routed
+to the pages, and one definition of which keys a query sees."""
+
+import importlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import PAGE_KINDS, greedy, make_model, make_pool, prompt_of
+
+from pagedkv import KvShapeError, PagedBatch, make_paged_cache
+from pagedkv.kernels import paged_decode
+from pagedkv.page_read import PageRead
+from pagedkv.visibility import key_mask, window_start
+
+
+def test_one_decode_step_builds_its_read_and_write_indices_once_for_every_layer(monkeypatch):
+    model = make_model("llama")  # 3 layers, one table spec
+    pool = make_pool("llama", page_size=8)
+    built = {"read": 0, "write": 0}
+    real_of = PageRead.of.__func__
+    monkeypatch.setattr(PageRead, "of", classmethod(lambda cls, *a: (built.__setitem__("read", built["read"] + 1),
+                                                                      real_of(cls, *a))[1]))
+    real_rows = pool.array_rows
+    monkeypatch.setattr(pool, "array_rows", lambda p: (built.__setitem__("write", built["write"] + 1),
+                                                       real_rows(p))[1])
+    with make_paged_cache(model, pool) as cache:
+        model(mx.array([prompt_of(20)]), cache=cache)
+        built.update(read=0, write=0)
+        mx.eval(model(mx.array([[3]]), cache=cache))
+    assert built == {"read": 1, "write": 1}
+
+
+def test_routed_attention_reads_the_pages_and_leaves_other_caches_to_mlx_lm():
+    model = make_model("llama")
+    ref_tokens, ref_logits = greedy(model, prompt_of(30), make_prompt_cache(model), 6)  # before routing
+    with make_paged_cache(model, make_pool("llama")) as cache:
+        tokens, logits = greedy(model, prompt_of(30), cache, 6)
+    module = importlib.import_module(type(model.layers[0].self_attn).__module__)
+    assert hasattr(module.scaled_dot_product_attention, "_pagedkv_original")
+    again_tokens, again_logits = greedy(model, prompt_of(30), make_prompt_cache(model), 6)  # after
+    assert tokens == ref_tokens == again_tokens
+    for a, b, c in zip(ref_logits, logits, again_logits):
+        assert mx.array_equal(a, c) and mx.abs(a - b).max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_routed_attention_on_packed_pages_equals_attention_on_decoded_keys(pages, monkeypatch):
+    """The route reads packed pages (quantised matmuls, deferred un-rotation); without
+    it the model gets decoded K/V. Both give the same tokens."""
+    if pages == "affine8" and paged_decode.available():
+        pytest.skip("mlx-lm's own quantised attention has no CUDA kernel for these shapes (MLX 0.32)")
+    model = make_model("llama")
+    prompt = prompt_of(25, seed=2)
+    pool = make_pool("llama", pages=pages)
+    with make_paged_cache(model, pool) as cache:
+        routed, routed_logits = greedy(model, prompt, cache, 6)
+    from pagedkv.cache import LayerFace
+    monkeypatch.setattr(LayerFace, "reads_pages", False)  # the router passes through
+    with make_paged_cache(model, pool) as cache:
+        plain, plain_logits = greedy(model, prompt, cache, 6)
+    assert routed == plain
+    tolerance = 1e-5 if pages in ("fp", "affine8") else 2e-3  # rotated: a different summation order
+    assert max(mx.abs(a - b).max().item() for a, b in zip(routed_logits, plain_logits)) <= tolerance
+
+
+def test_a_batch_layer_with_bad_input_rolls_the_whole_step_back():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=64)
+    batch = PagedBatch.for_model(model, pool)
+    for p in (prompt_of(8, seed=1), prompt_of(5, seed=2)):  # row 0 ends on a page boundary
+        c = make_paged_cache(model, pool)
+        model(mx.array(p)[None], cache=c)
+        batch.extend(c)
+    before = (pool.allocator.stats(), batch.rows.offsets.copy(), [t.pages.tolist() for t in batch.tables()])
+    k = mx.zeros((2, 2, 1, 64))
+    batch.caches[0].update_and_fetch(k, k)  # layer 0 reserves the step for every layer
+    with pytest.raises(KvShapeError):
+        batch.caches[1].update_and_fetch(k[:, :, :, :32], k[:, :, :, :32])
+    after = (pool.allocator.stats(), batch.rows.offsets, [t.pages.tolist() for t in batch.tables()])
+    assert after[0].in_use == before[0].in_use and np.array_equal(after[1], before[1]) and after[2] == before[2]
+    batch.release()
+    assert pool.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 7])
+def test_key_mask_matches_the_definition_of_visibility(window):
+    rng = np.random.default_rng(0)
+    b, n, width = 4, 3, 24
+    query_start = rng.integers(0, 12, b)
+    base = rng.integers(0, 3, b) * 4
+    lo = np.maximum(base, window_start(query_start, window))
+    hi = query_start + n
+    got = np.array(key_mask(query_start, n, base, width, lo, hi, window=window))
+    for r in range(b):
+        for i in range(n):
+            q = query_start[r] + i
+            for c in range(width):
+                j = base[r] + c
+                want = lo[r] <= j < hi[r] and j <= q and (window is None or j > q - window)
+                assert got[r, 0, i, c] == want
