@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
+from pagedkv.cli import positive_int
 from pagedkv import ForwardPass, KvSharingPlan, PagePool, donor_caches, make_paged_cache
 
 CONFIG = {
@@ -37,8 +38,8 @@ CONFIG = {
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompt-len", type=int, default=96)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--prompt-len", type=positive_int, default=96)
+    ap.add_argument("--steps", type=positive_int, default=32)
     args = ap.parse_args()
     model_cls, args_cls = _get_classes(CONFIG)
     mx.random.seed(0)

@@ -11,14 +11,15 @@ import argparse
 import mlx.core as mx
 
 from pagedkv import make_paged_cache
+from pagedkv.cli import non_negative_float, positive_int
 from pagedkv.gguf_model import load_smollm2
 from pagedkv.pool_factory import pool_for
 
 ap = argparse.ArgumentParser()
 ap.add_argument("prompt", nargs="?", default="Write one sentence about the sea.")
-ap.add_argument("--n", type=int, default=4)
-ap.add_argument("--max-tokens", type=int, default=24)
-ap.add_argument("--temperature", type=float, default=0.9)
+ap.add_argument("--n", type=positive_int, default=4)
+ap.add_argument("--max-tokens", type=positive_int, default=24)
+ap.add_argument("--temperature", type=non_negative_float, default=0.9)
 ap.add_argument("--seed", type=int, default=0)
 args = ap.parse_args()
 

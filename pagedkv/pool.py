@@ -175,6 +175,11 @@ class PagePool:
         return self.bytes_per_page // self.page_size
 
     @property
+    def usable_pages(self) -> int:
+        """Pages sequences can hold: all but the reserved null page."""
+        return self.num_pages - (0 if self.null_page is None else 1)
+
+    @property
     def nbytes(self) -> int:
         return self.bytes_per_page * self.num_pages
 

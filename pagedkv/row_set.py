@@ -403,11 +403,16 @@ class RowSet:
         """Where tokens [lo[b], hi[b]) of every row of ``layer`` live; memoised per step
         for all layers of one table spec."""
         spec, pool_layer = self.layout.layers[layer]
-        key = ("r", spec, lo.tobytes(), hi.tobytes())
+        key = ("r", spec, pool_layer, lo.tobytes(), hi.tobytes())
         plan = self._memo.get(key)
         if plan is None:
-            plan = self._memo[key] = PageRead.of(self.layout.specs[spec].pool, 0, self._tables[spec], lo, hi)
-        return attrs.evolve(plan, layer=pool_layer) if pool_layer != plan.layer else plan
+            spec_key = ("r", spec, lo.tobytes(), hi.tobytes())
+            built = self._memo.get(spec_key)
+            if built is None:
+                built = self._memo[spec_key] = PageRead.of(self.layout.specs[spec].pool, pool_layer,
+                                                           self._tables[spec], lo, hi)
+            plan = self._memo[key] = attrs.evolve(built, layer=pool_layer)
+        return plan
 
     def read(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None,
              exact: bool = True):
@@ -440,12 +445,12 @@ class RowSet:
         return mask is None or mask is self._masks.get(self.layout.layers[layer][0])
 
     def attend(self, layer: int, queries: mx.array, scale: float, mask, mask_is_ours: bool,
-               exact: bool = True) -> mx.array:
+               exact: bool = True, parts=None) -> mx.array:
         """Attention of this step's queries over the layer's visible keys, read from the
         pages (``PageRead.attend``); ``mask_is_ours``: ``mask`` is None or what ``mask``
-        made for this step."""
+        made for this step; ``parts``: what ``read`` already gathered for it."""
         return self.read_plan(layer, *self.visible_range(layer)).attend(
-            queries, scale, mask, exact=exact, kernel=mask_is_ours)
+            queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:

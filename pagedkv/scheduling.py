@@ -35,7 +35,7 @@ def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached
     if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
         raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
     need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size
-    reserve = math.ceil(watermark * pool.num_pages)
+    reserve = math.ceil(watermark * pool.usable_pages)
     return need <= pool.allocator.num_available() - reserve
 
 

@@ -53,3 +53,15 @@ def test_serve_example_runs_and_saves_a_plot(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "prefix cache hit rate" in out.stdout and "preemptions" in out.stdout
     assert (tmp_path / "pool.png").stat().st_size > 1000
+
+
+def test_a_request_that_can_never_fit_is_rejected_and_the_loop_ends():
+    model, layers, kv_heads, head_dim, dtype, vocab = serve.load_model("random")
+    pool = PagePool(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=8,
+                    num_pages=6, dtype=dtype)  # 5 usable pages: 40 tokens
+    trace = [serve.Request(0, 0, list(range(10)), 8), serve.Request(1, 0, list(range(60)), 4),
+             serve.Request(2, 1, list(range(12)), 30)]  # 60 + 4 and 12 + 30 tokens never fit
+    report = serve.serve(model, pool, trace, max_batch=4, progress=False)
+    assert sorted(report.rejected) == [1, 2]
+    assert trace[0].done and trace[0].generated == solo(model, trace[0].prompt, 8)
+    assert pool.allocator.num_in_use() == 0
