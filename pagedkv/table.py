@@ -257,9 +257,11 @@ class PageTable:
         return other
 
     def release(self) -> None:
-        """Give back every page reference. A second call raises ``ReleasedError``."""
+        """Give back every page reference, last page first, so that a prefix cache's LRU
+        evicts a released chain from its tail and what survives still matches a prefix.
+        A second call raises ``ReleasedError``."""
         self._check_alive()
-        self.pool.allocator.decref(self._pages[self._dropped : self._n].copy())
+        self.pool.allocator.decref(self._pages[self._dropped : self._n][::-1].copy())
         self._released = True
         self._n = self._dropped = self.num_tokens = 0
 

@@ -73,7 +73,7 @@ def test_released_pages_stay_cached_and_are_evicted_lru_only_when_needed(model, 
     with make_paged_cache(model, pool) as big:  # needs 7 pages, 5 free: evicts the 2 oldest
         model(mx.array(prompt_of(56, seed=3))[None], cache=big)
     assert prefix.stats().evictions == 2
-    assert len(prefix.match(old + [1])) == 0  # old's first page is gone, so the chain breaks
+    assert len(prefix.match(old + [1])) == 1  # old lost its last two pages; its first still matches
     assert len(prefix.match(new + [1])) == 3  # new's pages survived
     pool.allocator.check()
 
@@ -132,3 +132,17 @@ def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):
     assert can_admit(pool, 40, 20, watermark=0.0)
     with pytest.raises(ValueError):
         can_admit(pool, 0, 1)
+
+
+@pytest.mark.parametrize("evicted", [1, 3, 5])
+def test_the_cached_pages_left_of_a_released_sequence_still_match_a_prefix(model, evicted):
+    pool = make_pool("llama", page_size=PS, num_pages=8)  # 7 usable pages
+    prefix = PrefixCache(pool)
+    tokens = prompt_of(6 * PS + 1, seed=7)
+    cache, rest = prefix.new_cache(model, tokens)
+    model(mx.array(rest)[None], cache=cache)
+    prefix.register(cache, tokens)
+    cache.release()  # 6 full pages become cached
+    taken = pool.allocator.allocate(1 + evicted)  # the free page, then the LRU cached pages
+    assert len(prefix.match(tokens)) == 6 - evicted  # the chain lost its tail, not its head
+    pool.allocator.decref(taken)
