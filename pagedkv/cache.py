@@ -25,6 +25,8 @@ affine-quantised pages with one codec for K and V (mlx-lm's quantised attention 
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import numpy as np
 
@@ -55,7 +57,7 @@ class LayerFace:
         self.layer = layer
         self.pool_layer = rows.layout.layers[layer][1]
         self.pool = rows.pool_of(layer)
-        self._fetched = None  # this step's gathered parts, until attend takes them
+        self._fetched = None  # weak references to this step's gathered parts (see attend)
         kind = self.pool.kind
         if kind.mlx_quantized:  # mlx-lm dispatches on hasattr(cache, "bits")
             self.bits = kind.k_codec.bits
@@ -70,7 +72,7 @@ class LayerFace:
         queries may see (float K/V, or packed triples on ``bits`` caches)."""
         self.rows.write(self.layer, keys, values)
         parts = self.rows.read(self.layer, exact=self.exact)
-        self._fetched = (self._position(), parts)
+        self._fetched = (self._position(), [[weakref.ref(x) for x in p] for p in parts])
         return self.pool.kind.model_inputs(*parts)
 
     def _position(self) -> bytes:
@@ -87,8 +89,12 @@ class LayerFace:
         """This step's attention, read from the pages (``route_attention`` calls it in
         place of mlx-lm's ``scaled_dot_product_attention``; see the module doc)."""
         self.rows.check_alive()
-        fetched, self._fetched = self._fetched, None  # not kept: a kept read would be evaluated
-        parts = fetched[1] if fetched is not None and fetched[0] == self._position() else None  # at the next write
+        # The step's gather, if the model still holds it (weak references: a kept read
+        # would keep a copy of the K/V alive and be evaluated at the next write).
+        fetched, self._fetched, parts = self._fetched, None, None
+        if fetched is not None and fetched[0] == self._position():
+            parts = tuple(tuple(r() for r in p) for p in fetched[1])
+            parts = None if any(x is None for p in parts for x in p) else parts
         return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask),
                                 self.exact, parts)
 

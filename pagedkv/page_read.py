@@ -1,7 +1,8 @@
-"""``PageRead``: tokens [lo[b], hi[b]) of B rows of one pool layer, and how to read them.
+"""``PageRead``: tokens [lo[b], hi[b]) of B rows in a pool, and how to read them.
 
-The one read path. A ``RowSet`` builds one per step and layer kind (memoised), a
-``KvAttentionView`` keeps one for its life. It snapshots each row's page ids from the
+The one read path. A page id names the same slot in every layer, so one PageRead serves
+every layer of a table: its methods take the pool layer. A ``RowSet`` builds one per step
+and table kind (memoised) for all its layers, a ``KvAttentionView`` keeps one for its life. It snapshots each row's page ids from the
 row's first needed page, padded with the null page to the widest row::
 
     table [B, width]:  row b = pages first[b] .. stop[b]-1 of its page table, then null
@@ -36,7 +37,6 @@ from pagedkv.visibility import key_mask, page_span
 @attrs.frozen
 class PageRead:
     pool: PagePool
-    layer: int  # the pool's layer
     lo: np.ndarray  # int64 [B]: first token of each row
     hi: np.ndarray  # int64 [B]: one past the last
     pages: np.ndarray  # every row's own page ids, concatenated (what a holder references)
@@ -46,25 +46,25 @@ class PageRead:
     index: mx.array  # int32 take-indices into the layer arrays (PagePool.gather_index)
 
     @classmethod
-    def of(cls, pool: PagePool, layer: int, tables: Sequence[PageTable], lo: np.ndarray,
-           hi: np.ndarray) -> PageRead:
+    def of(cls, pool: PagePool, tables: Sequence[PageTable], lo: np.ndarray, hi: np.ndarray) -> PageRead:
         ps = pool.page_size
         first, stop, width = page_span(lo, hi, ps)
         rows = [t.page_ids(f, e) for t, f, e in zip(tables, first, stop)]
         snapshot, index = pool.gather_index(rows)
-        return cls(pool, layer, lo, hi, np.concatenate(rows), first * ps, width * ps,
+        return cls(pool, lo, hi, np.concatenate(rows), first * ps, width * ps,
                    mx.array(snapshot.astype(np.int32)), index)
 
     @property
     def num_rows(self) -> int:
         return self.lo.shape[0]
 
-    def parts(self, exact: bool):
-        """The gathered K and V components (packed pages stay packed); see module doc."""
+    def parts(self, layer: int, exact: bool):
+        """The gathered K and V components of pool layer ``layer`` (packed pages stay
+        packed); see module doc."""
         if exact and self.num_rows == 1:
             base = int(self.key_base[0])
-            return self.pool.gather(self.layer, self.index, int(self.lo[0]) - base, int(self.hi[0]) - base)
-        return self.pool.gather(self.layer, self.index, 0, self.width, rows=self.num_rows)
+            return self.pool.gather(layer, self.index, int(self.lo[0]) - base, int(self.hi[0]) - base)
+        return self.pool.gather(layer, self.index, 0, self.width, rows=self.num_rows)
 
     def mask(self, n_queries: int, exact: bool, causal: bool = True, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, keys] over ``parts(exact)``: the queries are each row's
@@ -76,8 +76,9 @@ class PageRead:
         return key_mask(self.hi - n_queries, n_queries, base, width, self.lo, self.hi,
                         causal=causal, window=window)
 
-    def attend(self, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool, parts=None) -> mx.array:
-        """Attention of ``q`` [B, n_heads, L, D] over these keys. ``mask`` is over
+    def attend(self, layer: int, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool,
+               parts=None) -> mx.array:
+        """Attention of ``q`` [B, n_heads, L, D] over these keys of pool layer ``layer``. ``mask`` is over
         ``parts(exact)``; ``kernel``: the caller vouches that ``mask`` adds nothing to
         the rows' ranges (None, or one this read describes), so a one-query step may
         take the CUDA kernel, which applies [lo, hi) itself. ``parts``: this read's
@@ -85,9 +86,9 @@ class PageRead:
         pool = self.pool
         if kernel and pool.kind.decode_kernel and paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
             return paged_decode.paged_decode(
-                q, *pool.layer_arrays(self.layer), self.table,
+                q, *pool.layer_arrays(layer), self.table,
                 mx.array((self.hi - self.key_base).astype(np.int32)),
                 mx.array((self.lo - self.key_base).astype(np.int32)),
                 scale, num_pages=pool.num_pages, page_size=pool.page_size)
-        k_parts, v_parts = parts if parts is not None else self.parts(exact)
+        k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)

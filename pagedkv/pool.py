@@ -227,6 +227,12 @@ class PagePool:
         """
         check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         self.check_kv(keys, values)
+        self.write_checked(layer, rows, slots, keys, values)
+
+    def write_checked(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array,
+                      values: mx.array) -> None:
+        """``write`` for a caller that has validated ``layer`` and ``keys``/``values``
+        (``check_kv``) itself: the row set, once per layer of a step."""
         k_parts = self.k_codec.encode(keys)  # quantised pages: a token is encoded when written
         v_parts = self.v_codec.encode(values)
         self._settle_reads(layer)

@@ -124,6 +124,7 @@ class RowSet:
         self._journal: list = []
         self._step_specs: set[int] = set()
         self._step_from = np.zeros(0, dtype=np.int64)
+        self._step_count = 0
         self._saved: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._writers = 0
 
@@ -291,7 +292,7 @@ class RowSet:
                 h = pool.num_kv_heads
                 flat_k = keys.transpose(1, 0, 2, 3).reshape(h, -1, keys.shape[-1])
                 flat_v = values.transpose(1, 0, 2, 3).reshape(h, -1, values.shape[-1])
-            pool.write(pool_layer, rows, slots, flat_k, flat_v)
+            pool.write_checked(pool_layer, rows, slots, flat_k, flat_v)
         except BaseException:
             self._abort_write(layer)
             raise
@@ -313,6 +314,10 @@ class RowSet:
     def _prepare(self, layer: int, start: np.ndarray, count: int) -> None:
         """Make tokens [start, start + count) of every row of ``layer``'s tables writable."""
         spec = self.layout.layers[layer][0]
+        if (spec in self._step_specs and count == self._step_count and layer not in self._saved
+                and np.array_equal(start, self._step_from)):
+            self._saved[layer] = (self.offsets[layer].copy(), self.step_starts[layer].copy())
+            return  # the common case: a later layer of the open step, whose pages are reserved
         tables = self._tables[spec]
         lengths = np.fromiter((t.num_tokens for t in tables), np.int64, len(tables))
         if (start + count > lengths).any():
@@ -356,6 +361,7 @@ class RowSet:
                 self._journal.append((t, records[0]))
         self._step_specs = set(growing)
         self._step_from = start.copy()
+        self._step_count = count
         self._writers = sum(1 for s, _ in self.layout.layers if s in self._step_specs)
         self._changed()
 
@@ -402,16 +408,11 @@ class RowSet:
     def read_plan(self, layer: int, lo: np.ndarray, hi: np.ndarray) -> PageRead:
         """Where tokens [lo[b], hi[b]) of every row of ``layer`` live; memoised per step
         for all layers of one table spec."""
-        spec, pool_layer = self.layout.layers[layer]
-        key = ("r", spec, pool_layer, lo.tobytes(), hi.tobytes())
+        spec = self.layout.layers[layer][0]
+        key = ("r", spec, lo.tobytes(), hi.tobytes())
         plan = self._memo.get(key)
         if plan is None:
-            spec_key = ("r", spec, lo.tobytes(), hi.tobytes())
-            built = self._memo.get(spec_key)
-            if built is None:
-                built = self._memo[spec_key] = PageRead.of(self.layout.specs[spec].pool, pool_layer,
-                                                           self._tables[spec], lo, hi)
-            plan = self._memo[key] = attrs.evolve(built, layer=pool_layer)
+            plan = self._memo[key] = PageRead.of(self.layout.specs[spec].pool, self._tables[spec], lo, hi)
         return plan
 
     def read(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None,
@@ -420,7 +421,7 @@ class RowSet:
         layer's visible range); layout as ``PageRead.parts(exact)``."""
         if lo is None:
             lo, hi = self.visible_range(layer)
-        return self.read_plan(layer, lo, hi).parts(exact)
+        return self.read_plan(layer, lo, hi).parts(self.layout.layers[layer][1], exact)
 
     def mask(self, layer: int, n_queries: int, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, width] for the keys the layer's next write of
@@ -450,7 +451,7 @@ class RowSet:
         pages (``PageRead.attend``); ``mask_is_ours``: ``mask`` is None or what ``mask``
         made for this step; ``parts``: what ``read`` already gathered for it."""
         return self.read_plan(layer, *self.visible_range(layer)).attend(
-            queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts)
+            self.layout.layers[layer][1], queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:

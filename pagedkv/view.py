@@ -75,7 +75,7 @@ class KvAttentionView:
                 )
         self.starts = list(starts)  # first visible token per row
         self.lengths = list(lengths)  # one past the last
-        self._read = PageRead.of(pool, layer, tables, np.array(starts, dtype=np.int64),
+        self._read = PageRead.of(pool, tables, np.array(starts, dtype=np.int64),
                                  np.array(lengths, dtype=np.int64))
         pool.allocator.incref(self._read.pages)  # the last step that can fail: nothing to undo
         self._held = self._read.pages
@@ -111,7 +111,7 @@ class KvAttentionView:
         with each row's tokens from its first page (see ``valid_mask``).
         """
         self._check()
-        return self._read.parts(exact=True)
+        return self._read.parts(self.layer, exact=True)
 
     def keys_values(self) -> tuple[mx.array, mx.array]:
         """Contiguous float K/V (decoded and un-rotated for quantised pages); layout as
@@ -154,7 +154,7 @@ class KvAttentionView:
             mask = row
         elif kernel:
             mask = None
-        return read.attend(q, scale, mask, exact=True, kernel=kernel)
+        return read.attend(self.layer, q, scale, mask, exact=True, kernel=kernel)
 
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:

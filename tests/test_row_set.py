@@ -100,3 +100,20 @@ def test_key_mask_matches_the_definition_of_visibility(window):
                 j = base[r] + c
                 want = lo[r] <= j < hi[r] and j <= q and (window is None or j > q - window)
                 assert got[r, 0, i, c] == want
+
+
+def test_a_routed_step_gathers_each_layer_once_and_keeps_no_copy(monkeypatch):
+    model = make_model("llama")  # 3 layers
+    pool = make_pool("llama", page_size=8)
+    gathers = []
+    real = pool.gather
+    monkeypatch.setattr(pool, "gather", lambda *a, **k: (gathers.append(a[0]), real(*a, **k))[1])
+    with make_paged_cache(model, pool) as cache:
+        model(mx.array([prompt_of(20)]), cache=cache)
+        gathers.clear()
+        mx.eval(model(mx.array([[3]]), cache=cache))
+        assert sorted(gathers) == [0, 1, 2]  # update_and_fetch's gather is the one attention reads
+        from pagedkv.cache import LayerFace
+        monkeypatch.setattr(LayerFace, "reads_pages", False)  # a model that never calls attend
+        mx.eval(model(mx.array([[4]]), cache=cache))
+        assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
