@@ -46,6 +46,7 @@ def test_kv_sharing_example():
 
 
 @needs_model
+@pytest.mark.slow
 def test_demo_command_prints_kv_stats():
     out = run("-m", "pagedkv.cli", "demo", "--max-tokens", "12")
     assert "Paris" in out

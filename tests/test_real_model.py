@@ -60,6 +60,7 @@ def test_paged_greedy_output_equals_mlx_lm_kvcache(lm, pool, prompt):
     assert pool.allocator.num_in_use() == 0
 
 
+@pytest.mark.slow
 def test_france_prompt_names_paris(lm, pool):
     with make_paged_cache(lm.model, pool) as cache:
         text = lm.decode(list(generate(lm.model, cache, lm.chat_prompt(PROMPTS[0]), max_tokens=16,
