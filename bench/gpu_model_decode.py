@@ -101,7 +101,7 @@ def main() -> None:
         print(f"{name:>8} {t['mlx-lm'] * 1e3:>10.2f} {t['paged'] * 1e3:>9.2f} {t['gathered'] * 1e3:>12.2f} "
               f"{t['paged'] / t['mlx-lm']:>13.3f} {t['gathered'] / t['mlx-lm']:>16.3f}")
         batch.release()
-        del ref
+        ref = None  # free its K/V before the next case
         mx.clear_cache()
 
 

@@ -16,8 +16,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 
-from pagedkv.cli import positive_int
 from pagedkv import ForwardPass, KvSharingPlan, PagePool, donor_caches, make_paged_cache
+from pagedkv.cli import positive_int
 
 CONFIG = {
     "model_type": "gemma3n",

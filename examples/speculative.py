@@ -17,8 +17,8 @@ import time
 import mlx.core as mx
 
 from pagedkv import DrafterKv, make_paged_cache
-from pagedkv.generation import generate
 from pagedkv.cli import positive_int
+from pagedkv.generation import generate
 from pagedkv.gguf_model import load_smollm2
 from pagedkv.pool_factory import pool_for
 

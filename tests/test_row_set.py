@@ -117,3 +117,52 @@ def test_a_routed_step_gathers_each_layer_once_and_keeps_no_copy(monkeypatch):
         monkeypatch.setattr(LayerFace, "reads_pages", False)  # a model that never calls attend
         mx.eval(model(mx.array([[4]]), cache=cache))
         assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
+
+
+def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size):
+    """What the CUDA kernel computes, from the same arguments: each row's pages in table
+    order, tokens [starts, lengths), attention of its one query."""
+    b, hq, _, d = q.shape
+    hkv = k_pool.shape[0] // num_pages
+    out = []
+    for row in range(b):
+        rows = (mx.arange(hkv)[:, None] * num_pages + table[row][None, :]).reshape(-1)
+        lo, hi = starts[row].item(), lengths[row].item()
+        k = k_pool[rows].reshape(hkv, -1, d)[None, :, lo:hi]
+        v = v_pool[rows].reshape(hkv, -1, d)[None, :, lo:hi]
+        out.append(mx.fast.scaled_dot_product_attention(q[row : row + 1], k, v, scale=scale))
+    return mx.concatenate(out)
+
+
+def test_the_decode_kernel_gets_each_rows_pages_and_range(monkeypatch):
+    """On a CPU, stand a Python reference in for the CUDA kernel: a single cache's and a
+    ragged batch's decode steps through it must give mlx-lm's tokens, so the page table,
+    starts and lengths the engine hands the kernel are right."""
+    import attrs
+
+    calls = []
+    monkeypatch.setattr(paged_decode, "fits", lambda q, *a: q.shape[2] == 1)  # not the GPU check
+    monkeypatch.setattr(paged_decode, "paged_decode",
+                        lambda *a, **k: (calls.append(a[3].shape), reference_kernel(*a, **k))[1])
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=8)
+    pool.kind = attrs.evolve(pool.kind, decode_kernel=True)
+    prompts = [prompt_of(13, seed=1), prompt_of(30, seed=2)]
+    batch = PagedBatch.for_model(model, pool)
+    for p in prompts:
+        with make_paged_cache(model, pool) as solo:
+            tokens, _ = greedy(model, p, solo, 6)
+        assert tokens == greedy(model, p, make_prompt_cache(model), 6)[0]
+        c = make_paged_cache(model, pool)
+        model(mx.array(p)[None], cache=c)
+        batch.extend(c)
+    assert calls and all(shape[0] == 1 for shape in calls)
+    calls.clear()
+    logits = model(mx.array([[1], [2]]), cache=batch.caches)[:, -1]
+    assert calls == [(2, 4)] * 3  # one call per layer, both rows, the longer row's 4 pages
+    for row, p in enumerate(prompts):
+        ref_cache = make_prompt_cache(model)
+        model(mx.array(p)[None], cache=ref_cache)
+        ref = model(mx.array([[row + 1]]), cache=ref_cache)[0, -1]
+        assert mx.abs(logits[row] - ref).max().item() <= 1e-4
+    batch.release()
