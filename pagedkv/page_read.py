@@ -31,7 +31,7 @@ from pagedkv.attention import attend_parts
 from pagedkv.kernels import paged_decode
 from pagedkv.pool import PagePool
 from pagedkv.table import PageTable
-from pagedkv.visibility import key_mask, page_span
+from pagedkv.visibility import page_span, range_mask
 
 
 @attrs.frozen
@@ -69,12 +69,8 @@ class PageRead:
     def mask(self, n_queries: int, exact: bool, causal: bool = True, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, keys] over ``parts(exact)``: the queries are each row's
         last ``n_queries`` positions (ending at hi)."""
-        if exact and self.num_rows == 1:
-            base, width = self.lo, int(self.hi[0] - self.lo[0])
-        else:
-            base, width = self.key_base, self.width
-        return key_mask(self.hi - n_queries, n_queries, base, width, self.lo, self.hi,
-                        causal=causal, window=window)
+        return range_mask(self.lo, self.hi, n_queries, self.pool.page_size, exact=exact, causal=causal,
+                          window=window)
 
     def attend(self, layer: int, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool,
                parts=None) -> mx.array:

@@ -60,7 +60,7 @@ from pagedkv.pool import PagePool
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.table import PageTable
 from pagedkv.view import KvAttentionView
-from pagedkv.visibility import key_mask, page_span, window_start
+from pagedkv.visibility import range_mask, window_start
 
 _SHARED_KINDS = ("view", "plain", "quant")
 
@@ -427,11 +427,8 @@ class RowSet:
         """Bool [B, 1, n_queries, width] for the keys the layer's next write of
         ``n_queries`` tokens per row will return (``read(exact=False)`` after it)."""
         start = self.offsets[layer]
-        lo, hi = window_start(start, self.spec_of(layer).window), start + n_queries
-        ps = self.pool_of(layer).page_size
-        first, _, width = page_span(lo, hi, ps)
-        mask = key_mask(start, n_queries, first * ps, width * ps, lo, hi,
-                        window=window or self.spec_of(layer).window)
+        mask = range_mask(window_start(start, self.spec_of(layer).window), start + n_queries, n_queries,
+                          self.pool_of(layer).page_size, window=window or self.spec_of(layer).window)
         self.note_mask(layer, mask if window in (None, self.spec_of(layer).window) else None)
         return mask
 

@@ -57,10 +57,22 @@ def key_mask(query_start: np.ndarray, n_queries: int, key_base: np.ndarray, widt
     return mask
 
 
+def range_mask(lo: np.ndarray, hi: np.ndarray, n_queries: int, page_size: int, *, exact: bool = False,
+               causal: bool = True, window: int | None = None) -> mx.array:
+    """``key_mask`` for readers of tokens [lo[b], hi[b]) whose queries are each row's last
+    ``n_queries`` positions, over the columns they gather: exactly [lo, hi) for one row
+    read ``exact``, else each row's pages from its first (``page_span``)."""
+    if exact and lo.shape[0] == 1:
+        base, width = lo, int(hi[0] - lo[0])
+    else:
+        first, _, pages = page_span(lo, hi, page_size)
+        base, width = first * page_size, pages * page_size
+    return key_mask(hi - n_queries, n_queries, base, width, lo, hi, causal=causal, window=window)
+
+
 def causal_mask(n_queries: int, offset: int, window: int | None = None) -> mx.array:
     """Bool [n_queries, offset + n_queries] for one row whose keys start at 0."""
-    one = np.array([offset])
-    m = key_mask(one, n_queries, one * 0, offset + n_queries, one * 0, one + n_queries, window=window)
+    m = range_mask(np.array([0]), np.array([offset + n_queries]), n_queries, 1, exact=True, window=window)
     return m[0, 0]
 
 
