@@ -138,7 +138,7 @@ class PagedKVCache(LayerFace):
             layer = check_int("layer", layer, minimum=0, maximum=table.pool.num_layers - 1)
             if table.released:
                 raise ReleasedError("cannot build a cache on a released page table")
-            rows = RowSet(LayerLayout((TableSpec(table.pool, table.window),), ((0, layer),)), [[table]])
+            rows = RowSet(LayerLayout.uniform(table.pool, [layer], table.window), [[table]])
             layer = 0
         else:
             raise InvalidTypeError(f"table must be a PageTable, got {type(table).__name__}")
