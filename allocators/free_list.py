@@ -1,11 +1,14 @@
 """``FreeListAllocator``: O(1) LIFO free list; the most recently freed page is reused first.
 
-The free set is a numpy stack (``_stack[:_top]``); the top is the next page handed out.
-Reusing recently freed pages keeps their memory warm in the CPU caches. ``allocate(n)``
-and the push of ``n`` freed pages are one slice each, O(n) in C.
+The free set is a stack of ids in an ``array('q')`` (its end is the next page handed
+out). Reusing recently freed pages keeps their memory warm in the CPU caches. One page
+is one ``pop``/``append`` of the array; ``allocate(n)`` and the push of ``n`` freed pages
+are one slice copy each, O(n) in C.
 """
 
 from __future__ import annotations
+
+from array import array
 
 import numpy as np
 
@@ -16,24 +19,20 @@ class FreeListAllocator(RefCountingAllocator):
     """LIFO strategy of :class:`RefCountingAllocator`; see its doc for the state machine."""
 
     def _init_free(self, ids: np.ndarray) -> None:
-        self._stack = np.empty(self._n, dtype=np.int64)
-        self._top = ids.size
-        self._stack[: ids.size] = ids[::-1]  # lowest id on top: a fresh pool hands out 0, 1, 2...
-
-    def _free_len(self) -> int:
-        return self._top
+        # Lowest id at the end: a fresh pool hands out 0, 1, 2...
+        self._free = array("q", ids[::-1].astype(np.int64).tobytes())
+        self._take_free = self._free.pop
+        self._give_free = self._free.append
 
     def _pop_free(self, n: int) -> np.ndarray:
-        top = self._top
-        out = self._stack[top - n : top][::-1].copy()
-        self._top = top - n
+        stack = self._free
+        out = np.frombuffer(stack[len(stack) - n :], dtype=np.int64)[::-1].copy()
+        del stack[len(stack) - n :]
         return out
 
     def _push_free(self, ids: np.ndarray) -> None:
-        top = self._top
         # Released in order a, b, c: c was freed last, so it is handed out first.
-        self._stack[top : top + ids.size] = ids
-        self._top = top + ids.size
+        self._free.frombytes(ids.astype(np.int64, copy=False).tobytes())
 
     def _free_ids(self) -> np.ndarray:
-        return self._stack[: self._top]
+        return np.array(self._free, dtype=np.int64)

@@ -4,31 +4,48 @@ Strategies (:mod:`allocators.free_list`, :mod:`allocators.sorted`) differ only i
 they keep the set of FREE pages; reference counts, the CACHED LRU, the reserved null
 page, validation, ``check()`` and ``stats()`` live here, once.
 
-Layout (numpy arrays of length ``num_pages``; one entry per page id)::
+Layout (one entry per page id; each table is one buffer seen two ways: a Python object
+for the one-page calls, a numpy view of the same memory for the batched calls)::
 
-    state      int8   PageState of the page
-    refcount   int32  >= 1 iff IN_USE, else 0
-    cacheable  bool   a count reaching 0 sends the page to CACHED instead of FREE
-    lru        OrderedDict[int, None]: CACHED pages, least recently used first
+    refcount   array('i')  / int32 view   >= 1 iff the page is IN_USE
+    state      bytearray   / int8 view    FREE 0, CACHED 2, RESERVED 3; read only when
+                                          the count is 0 (an IN_USE page keeps 0 here)
+    cacheable  bytearray   / bool view    a count reaching 0 sends the page to CACHED
+    log_pos    array('q')  / int64 view   where the page's newest entry in the LRU log is
 
-Why numpy: batched calls (a whole prompt's pages, a view's pages) are validated and
-updated with a handful of vectorised operations, O(n) in C rather than n Python round
-trips. A pure-Python refcount loop measured no faster than a ``deque`` of per-page
-objects (about 65 ns per page either way, see bench/RESULTS.md).
+The LRU of CACHED pages is a log: each time a page becomes CACHED its id is appended
+(``log``, read from ``head``, oldest first). An entry is live iff its page is still
+CACHED and ``log_pos[page]`` points at it; a page revived by ``touch`` or cached again
+just leaves a dead entry behind. Evicting takes live entries from the head (a slice
+test in numpy for many pages), so neither caching nor reviving nor evicting a page
+moves anything else. The log is compacted (live entries only) when it has doubled,
+which keeps it O(num_pages) and the compaction O(1) per append, amortised.
+
+The one-page calls (``allocate_page``, ``decref_page``: what a decode step does when a
+sequence crosses a page boundary) touch a handful of Python objects and build no numpy
+array; the batched calls (a prompt's pages, a view's pages, a released sequence) are a
+few vectorised numpy operations, O(n) in C. ``IN_USE`` lives in the count alone, so
+handing out a free page writes one count and freeing it writes one count back.
+
+Counters: only the transitions that cannot be derived are counted (pages whose count
+reached 0, pages cached, evicted, revived, un-cached); ``in_use`` is
+``num_pages - reserved - free - cached`` and ``pages_allocated`` follows from those.
 
 Atomicity: every public call validates all of its input before it changes anything.
 
 Costs: ``allocate``/``incref``/``decref``/``fork``/``touch`` are O(n) in the ids passed,
-plus O(1) per page that becomes CACHED; ``evict`` is O(n); ``check`` and ``stats`` are
-O(num_pages) and meant for tests, debugging and periodic leak checks.
+plus O(1) per page that becomes CACHED; the one-page calls O(1); ``evict`` O(n);
+``check`` and ``stats`` are O(num_pages) and meant for tests, debugging and leak checks.
 
-Set ``PAGEDKV_CHECK_INVARIANTS=1`` to run ``check()`` after every mutating call.
+Set ``PAGEDKV_CHECK_INVARIANTS=1`` (or ``check_invariants=True``) to run ``check()``
+after every mutating call; the checks wrap the methods, so the fast paths carry no flag.
 """
 
 from __future__ import annotations
 
+import functools
 import os
-from collections import OrderedDict
+from array import array
 from typing import Callable, Sequence
 
 import numpy as np
@@ -43,15 +60,18 @@ from allocators.errors import (
 )
 from allocators.protocol import AllocatorStats, PageState
 
-_FREE = np.int8(PageState.FREE)
-_IN_USE = np.int8(PageState.IN_USE)
-_CACHED = np.int8(PageState.CACHED)
-_RESERVED = np.int8(PageState.RESERVED)
+_FREE = 0
+_IN_USE = 1
+_CACHED = 2
+_RESERVED = 3
 
 NULL_PAGE = 0
 """Id of the reserved null page when an allocator is built with ``null_page=True``."""
 
 DEBUG_ENV = "PAGEDKV_CHECK_INVARIANTS"
+
+_MUTATORS = ("allocate", "allocate_page", "incref", "decref", "decref_page", "fork", "touch",
+             "set_cacheable", "evict", "allocate_contiguous")
 
 
 def _require_count(n: object, what: str = "n") -> int:
@@ -65,11 +85,17 @@ def _require_count(n: object, what: str = "n") -> int:
 class RefCountingAllocator:
     """Reference-counted page allocator over ``range(num_pages)``; see the module doc.
 
-    Subclasses implement the free set: ``_free_len``, ``_pop_free``, ``_push_free`` and
-    ``_free_ids``. ``evict_listeners`` is a list of callables, each called with the ids
-    of CACHED pages just evicted to FREE, so owners of page hashes (a prefix cache, a
-    disk tier) can forget them; ``on_evict`` (optional) starts the list.
+    Subclasses keep the FREE pages: ``_init_free`` sets ``self._free`` (any container with
+    ``len``), ``_take_free`` (a callable returning the next free id) and ``_give_free``
+    (a callable taking one freed id), and they implement the batched ``_pop_free``,
+    ``_push_free`` and ``_free_ids``. ``evict_listeners`` is a list of callables, each
+    called with the ids of CACHED pages just evicted to FREE, so owners of page keys (a
+    prefix cache, a disk tier) can forget them; ``on_evict`` (optional) starts the list.
     """
+
+    _free: Sequence[int]
+    _take_free: Callable[[], int]
+    _give_free: Callable[[int], None]
 
     def __init__(
         self,
@@ -84,38 +110,52 @@ class RefCountingAllocator:
             raise InvalidArgumentValue(f"num_pages must leave at least one usable page, got {num_pages}")
         self._n = num_pages
         self._null_page = bool(null_page)
-        self._state = np.zeros(num_pages, dtype=np.int8)
-        self._refcount = np.zeros(num_pages, dtype=np.int32)
-        self._cacheable = np.zeros(num_pages, dtype=bool)
+        self._reserved = 1 if null_page else 0
+        self._rc = array("i", bytes(4 * num_pages))
+        self._state_b = bytearray(num_pages)
+        self._cacheable_b = bytearray(num_pages)
+        self._refcount = np.frombuffer(self._rc, dtype=np.int32)
+        self._state = np.frombuffer(self._state_b, dtype=np.int8)
+        self._cacheable = np.frombuffer(self._cacheable_b, dtype=bool)
         self._scratch = np.zeros(num_pages, dtype=np.int64)  # duplicate detection
         self._positions = np.arange(num_pages, dtype=np.int64)
-        self._lru: OrderedDict[int, None] = OrderedDict()
-        self._ever_cacheable = False  # lets the common, cache-free release skip a lookup
-        self._in_use = 0
-        self._peak_in_use = 0
-        self._allocated = 0
-        self._freed = 0
-        self._evicted = 0
-        self._revived = 0
+        self._log = array("q")
+        self._log_base = 0  # log position of self._log[0]
+        self._head = 0  # index in self._log of the oldest entry not yet consumed
+        self._log_limit = 1024  # compact when the log grows past this
+        self._log_pos = array("q", bytes(8 * num_pages))
+        self._log_pos_np = np.frombuffer(self._log_pos, dtype=np.int64)
+        self._num_cached = 0
+        self._caching = False  # set once any page is marked cacheable
+        self._low = num_pages - self._reserved  # fewest free + cached pages seen: the peak
+        self._zeroed = self._to_cached = self._evicted = self._revived = self._uncached = 0
         self.evict_listeners: list[Callable[[list[int]], None]] = [] if on_evict is None else [on_evict]
+        if null_page:
+            self._state_b[NULL_PAGE] = _RESERVED
+        self._init_free(np.arange(self._reserved, num_pages, dtype=np.int64))
         if check_invariants is None:
             check_invariants = os.environ.get(DEBUG_ENV, "") not in ("", "0")
         self._debug = bool(check_invariants)
-        first = 0
-        if null_page:
-            self._state[NULL_PAGE] = _RESERVED
-            first = 1
-        self._init_free(np.arange(first, num_pages, dtype=np.int64))
+        if self._debug:
+            for name in _MUTATORS:
+                if hasattr(self, name):
+                    setattr(self, name, self._checked(getattr(self, name)))
+
+    def _checked(self, method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run_then_check(*args, **kwargs):
+            out = method(*args, **kwargs)
+            self.check()
+            return out
+
+        return run_then_check
 
     # ------------------------------------------------------------------ free set (strategy)
     def _init_free(self, ids: np.ndarray) -> None:
         raise NotImplementedError
 
-    def _free_len(self) -> int:
-        raise NotImplementedError
-
     def _pop_free(self, n: int) -> np.ndarray:
-        """Remove and return ``n`` free ids (``n <= _free_len()``), in hand-out order."""
+        """Remove and return ``n`` free ids (``n <= len(self._free)``), in hand-out order."""
         raise NotImplementedError
 
     def _push_free(self, ids: np.ndarray) -> None:
@@ -155,6 +195,14 @@ class RefCountingAllocator:
         change. Raises ``InvalidArgumentType`` / ``InvalidPage``."""
         return self._ids(ids).copy()
 
+    def _page(self, page: object) -> int:
+        """Validate one page id (a Python or numpy int) without building an array."""
+        if isinstance(page, bool) or not isinstance(page, (int, np.integer)):
+            raise InvalidArgumentType(f"a page id must be an int, got {type(page).__name__}")
+        if not 0 <= page < self._n:
+            raise InvalidPage(f"page id {page} out of range [0, {self._n})")
+        return int(page)
+
     def _has_duplicates(self, a: np.ndarray) -> bool:
         if a.size < 2:
             return False
@@ -162,25 +210,27 @@ class RefCountingAllocator:
             return True
         pos = self._positions[: a.size]
         self._scratch[a] = pos
-        return not np.array_equal(self._scratch[a], pos)
+        return bool((self._scratch[a] != pos).any())
 
-    def _require_state(self, a: np.ndarray, allowed: tuple[np.int8, ...], call: str) -> None:
-        st = self._state[a]
+    def _states_of(self, a: np.ndarray) -> np.ndarray:
+        """The PageState of each page in ``a`` (IN_USE lives in the count)."""
+        return np.where(self._refcount[a] > 0, np.int8(_IN_USE), self._state[a])
+
+    def _refuse(self, call: str, page: int) -> None:
+        state = self.page_state(page)
+        if state == PageState.RESERVED:
+            raise InvalidPage(f"{call}: page {page} is the reserved null page")
+        raise RefCountError(f"{call}: page {page} is {state.name}")
+
+    def _require_state(self, a: np.ndarray, allowed: tuple[int, ...], call: str) -> None:
+        st = self._states_of(a)
         ok = st == allowed[0]
         for s in allowed[1:]:
             ok |= st == s
         if not ok.all():
-            i = int(np.argmin(ok))
-            page, state = int(a[i]), PageState(int(st[i])).name
-            if state == "RESERVED":
-                raise InvalidPage(f"{call}: page {page} is the reserved null page")
-            raise RefCountError(f"{call}: page {page} is {state}")
+            self._refuse(call, int(a[int(np.argmin(ok))]))
 
-    def _debug_check(self) -> None:
-        if self._debug:
-            self.check()
-
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ queries
     @property
     def num_pages(self) -> int:
         return self._n
@@ -191,45 +241,109 @@ class RefCountingAllocator:
         return NULL_PAGE if self._null_page else None
 
     def num_free(self) -> int:
-        return self._free_len()
+        return len(self._free)
 
     def num_cached(self) -> int:
-        return len(self._lru)
+        return self._num_cached
 
     def num_in_use(self) -> int:
-        return self._in_use
+        return self._n - self._reserved - len(self._free) - self._num_cached
 
     def num_available(self) -> int:
         """Pages ``allocate`` can hand out: free plus cached-evictable."""
-        return self._free_len() + len(self._lru)
+        return len(self._free) + self._num_cached
 
+    def is_cacheable(self, page: int) -> bool:
+        return bool(self._cacheable_b[self._page(page)])
+
+    def cached_pages(self) -> list[int]:
+        """CACHED page ids, least recently used first."""
+        return self._live_log().tolist()
+
+    def refcount(self, page: int) -> int:
+        return self._rc[self._page(page)]
+
+    def page_state(self, page: int) -> PageState:
+        page = self._page(page)
+        return PageState.IN_USE if self._rc[page] > 0 else PageState(self._state_b[page])
+
+    # ------------------------------------------------------------------ one page
+    def allocate_page(self) -> int:
+        """Hand out one page with reference count 1 and return its id (a Python int).
+
+        O(1); the same policy as ``allocate(1)``: a FREE page first, else the least
+        recently used CACHED page is evicted. Raises ``PoolExhausted`` (nothing changes)
+        when no page is available.
+        """
+        free = self._free
+        if free:
+            page = self._take_free()
+        else:  # evict the least recently used cached page straight into use
+            if not self._num_cached:
+                raise PoolExhausted(1, 0)
+            page = self._take_lru_page()
+            self._state_b[page] = _FREE
+            self._cacheable_b[page] = False
+            self._evicted += 1
+            for listener in self.evict_listeners:
+                listener([page])
+        self._rc[page] = 1
+        avail = len(free) + self._num_cached
+        if avail < self._low:
+            self._low = avail
+        return page
+
+    def decref_page(self, page: int) -> None:
+        """Drop one reference to ``page``; at zero it becomes CACHED (if cacheable) or
+        FREE. O(1). Raises ``RefCountError`` (a double free) if the page is not IN_USE."""
+        if page.__class__ is not int or page < 0:
+            page = self._page(page)
+        rc = self._rc
+        try:
+            count = rc[page]
+        except IndexError:
+            raise InvalidPage(f"page id {page} out of range [0, {self._n})") from None
+        if count > 1:
+            rc[page] = count - 1
+            return
+        if count != 1:
+            self._refuse("decref", page)
+        rc[page] = 0
+        self._zeroed += 1
+        if self._caching and self._cacheable_b[page]:
+            self._state_b[page] = _CACHED
+            log = self._log
+            self._log_pos[page] = self._log_base + len(log)
+            log.append(page)
+            self._num_cached += 1
+            self._to_cached += 1
+            if len(log) > self._log_limit:
+                self._compact_log()
+        else:
+            self._give_free(page)
+
+    # ------------------------------------------------------------------ batched
     def allocate(self, n: int) -> np.ndarray:
         """Hand out ``n`` pages, each with reference count 1, as an int64 array.
 
-        Takes FREE pages first and evicts CACHED pages (LRU first, calling the ``evict_listeners``)
-        only when the free set is short. Raises ``PoolExhausted`` and changes nothing
-        when fewer than ``n`` pages are available.
+        Takes FREE pages first and evicts CACHED pages (LRU first, calling the
+        ``evict_listeners``) only when the free set is short. Raises ``PoolExhausted``
+        and changes nothing when fewer than ``n`` pages are available.
         """
-        n = _require_count(n)
-        short = n - self._free_len()
+        if n.__class__ is not int or n < 0:
+            n = _require_count(n)
+        if n == 1:
+            return np.array((self.allocate_page(),), dtype=np.int64)
+        short = n - len(self._free)
         if short > 0:
-            if short > len(self._lru):
+            if short > self._num_cached:
                 raise PoolExhausted(n, self.num_available())
             self._evict(short)
         ids = self._pop_free(n)
-        if n == 1:  # scalar path: the common decode-time allocation
-            page = int(ids[0])
-            self._state[page] = _IN_USE
-            self._refcount[page] = 1
-        else:
-            self._state[ids] = _IN_USE
-            self._refcount[ids] = 1
-        self._in_use += n
-        self._allocated += n
-        if self._in_use > self._peak_in_use:
-            self._peak_in_use = self._in_use
-        if self._debug:
-            self.check()
+        self._refcount[ids] = 1
+        avail = len(self._free) + self._num_cached
+        if avail < self._low:
+            self._low = avail
         return ids
 
     def incref(self, ids: Sequence[int] | np.ndarray) -> None:
@@ -245,8 +359,6 @@ class RefCountingAllocator:
             np.add.at(rc, a, 1)
         else:
             rc[a] = r + 1
-        if self._debug:
-            self.check()
 
     def fork(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
         """Share the pages with a new owner: one more reference each; returns a new array."""
@@ -262,20 +374,11 @@ class RefCountingAllocator:
         (a double free) if a page is not IN_USE or would drop below zero.
         """
         a = self._ids(ids)
-        if a.size == 0:
+        if a.size <= 1:
+            if a.size:
+                self.decref_page(a.item())
             return
         rc = self._refcount
-        if a.size == 1:  # scalar path: one page, no vector machinery
-            page = int(a[0])
-            count = int(rc[page])
-            if count < 1:
-                self._require_state(a, (_IN_USE,), "decref")
-            rc[page] = count - 1
-            if count == 1:
-                self._release_zero(a)
-            if self._debug:
-                self.check()
-            return
         r = rc[a]
         if r.min() < 1:  # count >= 1 iff IN_USE
             self._require_state(a, (_IN_USE,), "decref")
@@ -294,8 +397,6 @@ class RefCountingAllocator:
             zero = a[r == 0]
         if zero.size:
             self._release_zero(zero)
-        if self._debug:
-            self.check()
 
     def touch(self, ids: Sequence[int] | np.ndarray) -> None:
         """Take a reference on pages that are IN_USE or CACHED (a prefix-cache hit).
@@ -305,98 +406,154 @@ class RefCountingAllocator:
         a = self._ids(ids)
         if a.size == 0:
             return
-        self._require_state(a, (_IN_USE, _CACHED), "touch")
-        cached = a[self._state[a] == _CACHED]
-        if cached.size:
-            cached = np.unique(cached)
-            for page in cached.tolist():
-                del self._lru[page]
-            self._state[cached] = _IN_USE
-            self._in_use += cached.size
+        rc = self._refcount
+        r = rc[a]
+        idle = r == 0
+        any_idle = idle.any()
+        if any_idle and (self._state[a[idle]] != _CACHED).any():
+            self._require_state(a, (_IN_USE, _CACHED), "touch")
+        dup = self._has_duplicates(a)
+        if any_idle:
+            cached = a[idle]
+            if dup:
+                cached = np.unique(cached)
+            self._state[cached] = _FREE  # the byte an IN_USE page keeps; its log entry dies
+            self._num_cached -= cached.size
             self._revived += cached.size
-            if self._in_use > self._peak_in_use:
-                self._peak_in_use = self._in_use
-        np.add.at(self._refcount, a, 1)
-        self._debug_check()
+            avail = len(self._free) + self._num_cached
+            if avail < self._low:
+                self._low = avail
+        if dup:
+            np.add.at(rc, a, 1)
+        else:
+            rc[a] = r + 1
 
     def set_cacheable(self, ids: Sequence[int] | np.ndarray, cacheable: bool = True) -> None:
         """Mark IN_USE or CACHED pages as (not) kept CACHED when their count reaches 0.
 
-        Un-marking a CACHED page frees it at once (its hash was dropped).
+        Un-marking a CACHED page frees it at once (its key was dropped).
         """
+        if cacheable is True and ids.__class__ is list and len(ids) == 1:  # one page in use
+            page = ids[0]
+            if page.__class__ is int and 0 <= page < self._n and self._rc[page] > 0:
+                self._cacheable_b[page] = 1
+                self._caching = True
+                return
         a = self._ids(ids)
         if a.size == 0:
             return
-        self._require_state(a, (_IN_USE, _CACHED), "set_cacheable")
+        idle = self._refcount[a] == 0
+        any_idle = idle.any()
+        if any_idle and (self._state[a[idle]] != _CACHED).any():
+            self._require_state(a, (_IN_USE, _CACHED), "set_cacheable")
         self._cacheable[a] = bool(cacheable)
-        self._ever_cacheable |= bool(cacheable)
-        if not cacheable:
-            cached = np.unique(a[self._state[a] == _CACHED])
-            if cached.size:
-                for page in cached.tolist():
-                    del self._lru[page]
-                self._state[cached] = _FREE
-                self._freed += cached.size
-                self._push_free(cached)
-        self._debug_check()
-
-    def _page(self, page: int) -> int:
-        """Validate one page id (a Python or numpy int) without building an array."""
-        if isinstance(page, bool) or not isinstance(page, (int, np.integer)):
-            raise InvalidArgumentType(f"a page id must be an int, got {type(page).__name__}")
-        if not 0 <= page < self._n:
-            raise InvalidPage(f"page id {page} out of range [0, {self._n})")
-        return int(page)
-
-    def is_cacheable(self, page: int) -> bool:
-        return bool(self._cacheable[self._page(page)])
+        if cacheable:
+            self._caching = True
+        elif any_idle:
+            cached = np.unique(a[idle])
+            self._num_cached -= cached.size
+            self._state[cached] = _FREE
+            self._uncached += cached.size
+            self._push_free(cached)
 
     def evict(self, n: int) -> list[int]:
         """Evict the ``n`` least recently used CACHED pages to FREE; returns their ids."""
         n = _require_count(n)
-        if n > len(self._lru):
-            raise PoolExhausted(n, len(self._lru), what="cached pages")
-        out = self._evict(n)
-        self._debug_check()
-        return out
-
-    def cached_pages(self) -> list[int]:
-        """CACHED page ids, least recently used first."""
-        return list(self._lru)
-
-    def refcount(self, page: int) -> int:
-        return int(self._refcount[self._page(page)])
-
-    def page_state(self, page: int) -> PageState:
-        return PageState(int(self._state[self._page(page)]))
+        if n > self._num_cached:
+            raise PoolExhausted(n, self._num_cached, what="cached pages")
+        return self._evict(n)
 
     # ------------------------------------------------------------------ internals
     def _release_zero(self, zero: np.ndarray) -> None:
-        self._in_use -= zero.size
-        keep = self._cacheable[zero] if self._ever_cacheable else None
-        if keep is not None and keep.any():
-            to_cache = zero[keep]
-            self._state[to_cache] = _CACHED
-            self._lru.update(dict.fromkeys(to_cache.tolist()))
-            zero = zero[~keep]
+        """Pages whose count just reached 0: to the LRU if cacheable, else FREE."""
+        self._zeroed += zero.size
+        if self._caching:
+            keep = self._cacheable[zero]
+            if keep.any():
+                to_cache = zero[keep]
+                self._state[to_cache] = _CACHED
+                start = self._log_base + len(self._log)
+                self._log_pos_np[to_cache] = np.arange(start, start + to_cache.size)
+                self._log.frombytes(to_cache.tobytes())
+                self._num_cached += to_cache.size
+                self._to_cached += to_cache.size
+                if len(self._log) > self._log_limit:
+                    self._compact_log()
+                zero = zero[~keep]
         if zero.size:
-            self._state[zero] = _FREE
-            self._freed += zero.size
             self._push_free(zero)
 
     def _evict(self, n: int) -> list[int]:
-        lru = self._lru
-        out = [lru.popitem(last=False)[0] for _ in range(n)]
-        if out:
-            a = np.asarray(out, dtype=np.int64)
+        """Evict the ``n`` least recently used CACHED pages to FREE (``n <= num_cached``)."""
+        if n == 0:
+            return []
+        if n == 1:
+            page = self._take_lru_page()
+            self._state_b[page] = _FREE
+            self._cacheable_b[page] = False
+            self._give_free(page)
+            out = [page]
+        else:
+            a = self._take_lru(n)
             self._state[a] = _FREE
             self._cacheable[a] = False
-            self._evicted += n
-            self._freed += n
             self._push_free(a)
-            for listener in self.evict_listeners:
-                listener(out)
+            out = a.tolist()
+        self._evicted += n
+        for listener in self.evict_listeners:
+            listener(out)
         return out
+
+    def _take_lru_page(self) -> int:
+        """Consume the oldest live log entry and return its page (still marked CACHED)."""
+        log, pos, state = self._log, self._log_pos, self._state_b
+        h, base = self._head, self._log_base
+        while True:
+            page = log[h]
+            if pos[page] == base + h and state[page] == _CACHED:
+                break
+            h += 1
+        self._head = h + 1
+        self._num_cached -= 1
+        return page
+
+    def _take_lru(self, n: int) -> np.ndarray:
+        """Consume the ``n`` oldest live log entries; their pages, oldest first."""
+        log = np.frombuffer(self._log, dtype=np.int64)  # a view: no resize while it lives
+        parts, need, h = [], n, self._head
+        while need:
+            m = min(log.size - h, max(2 * need, 64))
+            chunk = log[h : h + m]
+            live = np.flatnonzero((self._log_pos_np[chunk] == np.arange(self._log_base + h, self._log_base + h + m))
+                                  & (self._state[chunk] == _CACHED))[:need]
+            parts.append(chunk[live])
+            if live.size == need:
+                h += int(live[-1]) + 1
+                need = 0
+            else:
+                need -= live.size
+                h += m
+        self._head = h
+        self._num_cached -= n
+        out = parts[0].copy() if len(parts) == 1 else np.concatenate(parts)
+        del log, chunk
+        return out
+
+    def _live_log(self) -> np.ndarray:
+        """The pages of the live log entries, oldest first (a copy)."""
+        log = np.frombuffer(self._log, dtype=np.int64)[self._head :]
+        at = np.arange(self._log_base + self._head, self._log_base + len(self._log))
+        out = log[(self._log_pos_np[log] == at) & (self._state[log] == _CACHED)].copy()
+        del log
+        return out
+
+    def _compact_log(self) -> None:
+        """Keep only the live entries (O(log length), after the log doubled)."""
+        live = self._live_log()
+        self._log = array("q", live.tobytes())
+        self._log_base, self._head = 0, 0
+        self._log_pos_np[live] = np.arange(live.size)
+        self._log_limit = 2 * live.size + 1024
 
     # ------------------------------------------------------------------ invariants, stats
     def check(self) -> None:
@@ -406,29 +563,31 @@ class RefCountingAllocator:
         """
         st, rc = self._state, self._refcount
         n = self._n
-        if not np.isin(st, (0, 1, 2, 3)).all():
+        if (rc < 0).any():
+            raise InvariantViolation("a page has a negative reference count")
+        if not np.isin(st, (_FREE, _CACHED, _RESERVED)).all():
             raise InvariantViolation("a page has an unknown state")
-        in_use = st == _IN_USE
-        if (rc[in_use] < 1).any():
-            raise InvariantViolation("an IN_USE page has reference count < 1")
-        if (rc[~in_use] != 0).any():
-            raise InvariantViolation("a page that is not IN_USE has a non-zero reference count")
+        in_use = rc > 0
+        if (st[in_use] != _FREE).any():
+            raise InvariantViolation("an IN_USE page is also marked CACHED or RESERVED")
+        idle = ~in_use
         free_ids = np.asarray(self._free_ids(), dtype=np.int64)
         if np.unique(free_ids).size != free_ids.size:
             raise InvariantViolation("a page is in the free set twice")
-        if not np.array_equal(np.sort(free_ids), np.flatnonzero(st == _FREE)):
-            raise InvariantViolation("the free set and the FREE states disagree")
-        cached_ids = np.asarray(list(self._lru), dtype=np.int64)
-        if not np.array_equal(np.sort(cached_ids), np.flatnonzero(st == _CACHED)):
-            raise InvariantViolation("the LRU and the CACHED states disagree")
-        if self._cacheable[st == _FREE].any() or self._cacheable[st == _RESERVED].any():
+        if not np.array_equal(np.sort(free_ids), np.flatnonzero(idle & (st == _FREE))):
+            raise InvariantViolation("the free set and the FREE pages (count 0) disagree")
+        cached_ids = self._live_log()
+        if not np.array_equal(np.sort(cached_ids), np.flatnonzero(idle & (st == _CACHED))):
+            raise InvariantViolation("the LRU log and the CACHED pages disagree")
+        if cached_ids.size != self._num_cached:
+            raise InvariantViolation(f"cached counter {self._num_cached} != {cached_ids.size} CACHED pages")
+        free_or_reserved = idle & (st != _CACHED)
+        if self._cacheable[free_or_reserved].any():
             raise InvariantViolation("a FREE or RESERVED page is marked cacheable")
         reserved = np.flatnonzero(st == _RESERVED).tolist()
         if reserved != ([NULL_PAGE] if self._null_page else []):
             raise InvariantViolation(f"reserved pages are {reserved}")
         n_in_use = int(in_use.sum())
-        if n_in_use != self._in_use:
-            raise InvariantViolation(f"in-use counter {self._in_use} != {n_in_use} IN_USE pages")
         if free_ids.size + n_in_use + cached_ids.size + len(reserved) != n:
             raise InvariantViolation("free + in_use + cached + reserved != total")
 
@@ -443,15 +602,16 @@ class RefCountingAllocator:
 
     def stats(self) -> AllocatorStats:
         runs, largest = self._fragmentation()
+        in_use = self.num_in_use()
         return AllocatorStats(
             total=self._n,
-            free=self._free_len(),
-            in_use=self._in_use,
-            cached=len(self._lru),
-            reserved=1 if self._null_page else 0,
-            peak_in_use=self._peak_in_use,
-            pages_allocated=self._allocated,
-            pages_freed=self._freed,
+            free=len(self._free),
+            in_use=in_use,
+            cached=self._num_cached,
+            reserved=self._reserved,
+            peak_in_use=self._n - self._reserved - self._low,
+            pages_allocated=in_use + self._zeroed - self._revived,
+            pages_freed=self._zeroed - self._to_cached + self._evicted + self._uncached,
             pages_evicted=self._evicted,
             pages_revived=self._revived,
             free_runs=runs,
@@ -460,8 +620,6 @@ class RefCountingAllocator:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(num_pages={self._n}, free={self._free_len()}, "
-            f"in_use={self._in_use}, cached={len(self._lru)})"
+            f"{type(self).__name__}(num_pages={self._n}, free={len(self._free)}, "
+            f"in_use={self.num_in_use()}, cached={self._num_cached})"
         )
-
-

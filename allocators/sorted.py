@@ -10,6 +10,8 @@ Costs: ``allocate(n)`` O(n log F) (a slice delete of the head); frees O(n log F)
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from sortedcontainers import SortedList
 
@@ -22,9 +24,8 @@ class SortedAllocator(RefCountingAllocator):
 
     def _init_free(self, ids: np.ndarray) -> None:
         self._free = SortedList(ids.tolist())
-
-    def _free_len(self) -> int:
-        return len(self._free)
+        self._take_free = functools.partial(self._free.pop, 0)
+        self._give_free = self._free.add
 
     def _pop_free(self, n: int) -> np.ndarray:
         out = np.asarray(self._free[:n], dtype=np.int64)
@@ -46,19 +47,17 @@ class SortedAllocator(RefCountingAllocator):
         """
         n = _require_count(n)
         if n == 0:
-            return []
+            return np.empty(0, dtype=np.int64)
         free = self._free_ids()
         start = _first_run(free, n)
         if start is None:
             raise PoolExhausted(n, self.stats().largest_free_run, what="contiguous pages")
         ids = free[start : start + n]
         del self._free[start : start + n]
-        self._state[ids] = 1
         self._refcount[ids] = 1
-        self._in_use += n
-        self._allocated += n
-        self._peak_in_use = max(self._peak_in_use, self._in_use)
-        self._debug_check()
+        avail = len(self._free) + self._num_cached
+        if avail < self._low:
+            self._low = avail
         return ids.copy()
 
 

@@ -1,29 +1,54 @@
-"""Allocator throughput vs a plain deque free list with per-page refcount objects.
+"""Allocator and prefix-cache hot paths against a model of vLLM's block pool, one process.
 
     python bench/allocator.py [--quick]
 
-Both run in this process. Measured, per strategy:
-  single    allocate(1) + free of that page, ops/s
-  batched   allocate(n) + free of those n pages, pages/s (n = --batch, default 1024)
-  decode    a decode loop: 64 sequences each append a token per step (a page every 16
-            tokens); every step one reader increfs and decrefs every page of every
-            sequence (what a KV view does); a sequence that reaches its length is freed
-            and a new prompt is admitted. Steps/s.
-Last line: batched allocate+free per page, FreeListAllocator / baseline.
+Sides: ``pagedkv`` (``FreeListAllocator``, and ``PrefixCache`` where pages are cached),
+``vLLM model`` (bench/vllm_block_pool.py: vLLM v1's free-block queue, block map and
+block hashing, written from its documented behaviour), and, for the plain scenarios, a
+``deque`` free list with one object per page (how small block managers are written) and
+``SortedAllocator``. Every scenario replays the same operations on each side; the sides
+take turns round by round (``--rounds``), and each figure is the median round. The audit
+columns are read back from each side's own state after the rounds, so both sides did
+the same work: pages handed out, cached-page evictions, prefix-hit pages.
+
+Scenarios (P = pages in the pool, page size 16):
+  get+free n=1 / n=256      allocate n pages, free them (caching off / on: on means the
+                            pool has a prefix cache, but these pages are not registered)
+  cache churn n=1 / n=256   allocate n pages, register them under new keys, free them: the
+                            pool is full of cached pages, so each page handed out evicts
+                            the least recently used one and its key
+  decode churn off / on     64 sequences decode; a page per sequence every 16 steps;
+                            finished sequences free their pages (last page first) and a
+                            new prompt takes their place; "on" registers each page that
+                            fills. Keys and hashes are computed before the clock starts.
+  prefix hits + hashing     requests = one of 8 shared 1024-token system prompts + 256
+                            own tokens: hash/cut the keys of the prompt, find the longest
+                            cached prefix, take it, allocate the rest, register, free
+
+Figures are per operation (an op = one allocate+free, one request, or one decode step).
+The last column is vLLM model time / pagedkv time (> 1: pagedkv is faster).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
+import statistics
 import sys
 import time
 from collections import deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import vllm_block_pool as vllm  # noqa: E402
 
 from allocators import FreeListAllocator, SortedAllocator  # noqa: E402
+from pagedkv import PagePool, PrefixCache  # noqa: E402
+
+PAGE = 16
 
 
 class _Block:
@@ -40,6 +65,7 @@ class DequeBaseline:
     def __init__(self, num_pages: int) -> None:
         self.free_ids = deque(range(num_pages))
         self.blocks = [_Block(i) for i in range(num_pages)]
+        self.allocated = 0
 
     def allocate(self, n: int) -> list[int]:
         if n > len(self.free_ids):
@@ -49,11 +75,8 @@ class DequeBaseline:
             b = self.blocks[self.free_ids.popleft()]
             b.ref_count = 1
             out.append(b.page_id)
+        self.allocated += n
         return out
-
-    def incref(self, ids) -> None:
-        for i in ids:
-            self.blocks[i].ref_count += 1
 
     def decref(self, ids) -> None:
         for i in ids:
@@ -65,99 +88,362 @@ class DequeBaseline:
                 self.free_ids.append(i)
 
 
-def _as_list(ids) -> list[int]:
-    return ids if isinstance(ids, list) else ids.tolist()
+def _pool(num_pages: int) -> PagePool:
+    """A pagedkv pool whose K/V arrays are tiny: only its page ids are exercised."""
+    return PagePool(num_layers=1, num_kv_heads=1, head_dim=1, page_size=PAGE, num_pages=num_pages + 1)
 
 
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(50_000) for _ in range(n)]
 
 
-def bench_single(make, iters: int, repeats: int) -> float:
-    a = make(4096)
+# ---------------------------------------------------------------------------- sides
+class Side:
+    """One side of a scenario: ``run()`` does one round of operations; ``audit()``."""
 
-    def run():
-        for _ in range(iters):
-            a.decref(a.allocate(1))
+    def run(self) -> None: ...
 
-    return iters / _best(run, repeats)
-
-
-def bench_batched(make, n: int, iters: int, repeats: int) -> float:
-    a = make(4 * n)
-
-    def run():
-        for _ in range(iters):
-            a.decref(a.allocate(n))
-
-    return n * iters / _best(run, repeats)
+    def audit(self) -> str:
+        return ""
 
 
-def bench_decode(make, steps: int, repeats: int, batch: int = 64, page: int = 16) -> float:
-    def run():
-        rng = random.Random(0)
-        a = make(batch * 4096 // page)
-        tables, lengths, limits = [], [], []
+class GetFree(Side):
+    def __init__(self, kind: str, n: int, iters: int, caching: bool) -> None:
+        self.kind, self.n, self.iters = kind, n, iters
+        pages = max(4096, 4 * n)
+        if kind == "vllm":
+            self.pool = vllm.BlockPool(pages + 1, enable_caching=caching)
+            self.handed = 0
+        elif kind == "deque":
+            self.d = DequeBaseline(pages)
+        else:
+            self.a = (FreeListAllocator if kind == "pagedkv" else SortedAllocator)(pages + 1, null_page=True)
+            if caching:  # a prefix cache is on: one page somewhere is registered
+                keep = self.a.allocate(1)
+                self.a.set_cacheable(keep)
 
-        def admit():
-            prompt = rng.randint(16, 512)
-            tables.append(_as_list(a.allocate(-(-prompt // page))))
-            lengths.append(prompt)
-            limits.append(prompt + rng.randint(64, 1024))
+    def run(self) -> None:
+        n, iters = self.n, self.iters
+        if self.kind == "vllm":
+            get, free = self.pool.get_new_blocks, self.pool.free_blocks
+            for _ in range(iters):
+                free(get(n))
+            self.handed += n * iters
+        elif self.kind == "deque":
+            get, free = self.d.allocate, self.d.decref
+            for _ in range(iters):
+                free(get(n))
+        elif n == 1:
+            get, free = self.a.allocate_page, self.a.decref_page
+            for _ in range(iters):
+                free(get())
+        else:
+            get, free = self.a.allocate, self.a.decref
+            for _ in range(iters):
+                free(get(n))
 
-        for _ in range(batch):
-            admit()
-        for _ in range(steps):
-            for i in range(batch):
-                if lengths[i] % page == 0:
-                    tables[i].extend(_as_list(a.allocate(1)))
+    def audit(self) -> str:
+        if self.kind == "vllm":
+            return f"handed out {self.handed}"
+        if self.kind == "deque":
+            return f"handed out {self.d.allocated}"
+        return f"handed out {self.a.stats().pages_allocated - (1 if self.a.num_cached() or self.a.num_in_use() else 0)}"
+
+
+class CacheChurn(Side):
+    """Allocate n pages, register them under fresh keys, free them; pool full of cache."""
+
+    def __init__(self, kind: str, n: int, iters: int, rounds: int) -> None:
+        self.kind, self.n, self.iters = kind, n, iters
+        num_pages = 2048 if n == 1 else 4 * n
+        rng = random.Random(1)
+        seqs = [_tokens(rng, n * PAGE + 1) for _ in range(iters * (rounds + 1))]
+        self.round = 0
+        if kind == "vllm":
+            self.pool = vllm.BlockPool(num_pages + 1, enable_caching=True)
+            self.reqs = []
+            for t in seqs:
+                r = vllm.Request(t, [])
+                r.block_hashes.extend(vllm.request_block_hashes(r, PAGE))
+                self.reqs.append(r)
+        else:
+            self.pool = _pool(num_pages)
+            self.a = self.pool.allocator
+            self.prefix = PrefixCache(self.pool)
+            self.keys = [self.prefix.keys(t) for t in seqs]
+        self._fill()
+
+    def _fill(self) -> None:
+        """Untimed: fill the pool with cached pages (the first round's worth of work)."""
+        self._once(slice(0, self.iters))
+        self.round = 1
+
+    def _once(self, which: slice) -> None:
+        n = self.n
+        if self.kind == "vllm":
+            pool = self.pool
+            get, cache, free = pool.get_new_blocks, pool.cache_full_blocks, pool.free_blocks
+            for req in self.reqs[which]:
+                blocks = get(n)
+                cache(req, blocks, 0, n, PAGE, 0)
+                free(reversed(blocks))
+        elif n == 1:
+            get, register, free = self.a.allocate_page, self.prefix.register_pages, self.a.decref_page
+            for keys in self.keys[which]:
+                page = get()
+                register([page], keys)
+                free(page)
+        else:
+            get, register, free = self.a.allocate, self.prefix.register_pages, self.a.decref
+            for keys in self.keys[which]:
+                pages = get(n)
+                register(pages, keys)
+                free(pages[::-1])
+
+    def run(self) -> None:
+        start = self.round * self.iters
+        self._once(slice(start, start + self.iters))
+        self.round += 1
+
+    def audit(self) -> str:
+        if self.kind == "vllm":
+            return f"evicted {self.pool.evictions}, cached {len(self.pool.cached_block_hash_to_block)}"
+        st = self.a.stats()
+        return f"evicted {st.pages_evicted}, cached {self.prefix.stats().registered_pages}"
+
+
+def _decode_trace(steps: int, batch: int, seed: int = 0):
+    """The same decode schedule for both sides: per step, which sequences cross a page
+    boundary, and the prompts that replace the sequences that finished."""
+    rng = random.Random(seed)
+    lengths, limits, tokens = [], [], []
+
+    def prompt() -> tuple[list[int], int]:
+        t = _tokens(rng, rng.randint(16, 512))
+        return t + _tokens(rng, rng.randint(64, 1024)), len(t)  # generated tokens known ahead
+
+    for _ in range(batch):
+        t, plen = prompt()
+        tokens.append(t)
+        lengths.append(plen)
+        limits.append(len(t))
+    initial = [(tokens[i], lengths[i]) for i in range(batch)]
+    events = []
+    for _ in range(steps):
+        grow, new = [], []
+        for i in range(batch):
+            if lengths[i] % PAGE == 0:
+                grow.append(i)
+            lengths[i] += 1
+        for i in range(batch - 1, -1, -1):
+            if lengths[i] >= limits[i]:
+                t, plen = prompt()
+                tokens[i], lengths[i], limits[i] = t, plen, len(t)
+                new.append((i, t, plen))
+        events.append((grow, new))
+    return initial, events
+
+
+class DecodeChurn(Side):
+    def __init__(self, kind: str, caching: bool, steps: int, batch: int = 64) -> None:
+        self.kind, self.caching, self.steps, self.batch = kind, caching, steps, batch
+        self.initial, self.events = _decode_trace(steps, batch)
+        self.num_pages = batch * 1600 // PAGE
+        if kind == "vllm":
+            self.reqs = {}
+        else:
+            self.keys = {}
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Untimed: hashes / keys of every sequence (vLLM computes them as tokens arrive)."""
+        seqs = [t for t, _ in self.initial] + [t for _, new in self.events for _, t, _ in new]
+        if self.kind == "vllm":
+            self.hashes = {}
+            for t in seqs:
+                r = vllm.Request(t, [])
+                self.hashes[id(t)] = vllm.request_block_hashes(r, PAGE)
+        else:
+            self.pool = _pool(self.num_pages)
+            self.prefix = PrefixCache(self.pool)
+            self.all_keys = {id(t): self.prefix.keys(t) for t in seqs}
+
+    def _replay(self, admit, register, append_page, free) -> None:
+        """The decode schedule, through one side's calls (the same calls on both sides)."""
+        ps = PAGE
+        tables, seqs, lengths, cached = [], [], [], []
+        for t, plen in self.initial:
+            table, seq = admit(t, plen)
+            tables.append(table)
+            seqs.append(seq)
+            lengths.append(plen)
+            cached.append(plen // ps)
+        for grow, new in self.events:
+            for i in grow:
+                full = lengths[i] // ps
+                if self.caching and full > cached[i]:  # the page that just filled
+                    register(tables[i], seqs[i], cached[i], full)
+                    cached[i] = full
+                append_page(tables[i])
+            for i in range(len(lengths)):
                 lengths[i] += 1
-            every = [p for t in tables for p in t]
-            a.incref(every)
-            a.decref(every)
-            for i in range(batch - 1, -1, -1):
-                if lengths[i] >= limits[i]:
-                    a.decref(tables.pop(i))
-                    lengths.pop(i)
-                    limits.pop(i)
-                    admit()
+            for (i, t, plen) in new:
+                free(tables[i])
+                tables[i], seqs[i] = admit(t, plen)
+                lengths[i], cached[i] = plen, plen // ps
 
-    return steps / _best(run, repeats)
+    def run(self) -> None:
+        ps, caching = PAGE, self.caching
+        if self.kind == "vllm":
+            pool = vllm.BlockPool(self.num_pages + 1, enable_caching=caching)
+            get, cache = pool.get_new_blocks, pool.cache_full_blocks
+
+            def admit(t, plen):
+                blocks = get(-(-plen // ps))
+                req = vllm.Request(t[:plen], self.hashes[id(t)])
+                if caching:
+                    cache(req, blocks, 0, plen // ps, ps, 0)
+                return blocks, req
+
+            self._replay(admit, lambda blocks, req, first, full: cache(req, blocks, first, full, ps, 0),
+                         lambda blocks: blocks.extend(get(1)), lambda blocks: pool.free_blocks(reversed(blocks)))
+        else:
+            pool = _pool(self.num_pages)
+            a = pool.allocator
+            prefix = PrefixCache(pool) if caching else None
+
+            def admit(t, plen):
+                pages = a.allocate(-(-plen // ps)).tolist()
+                keys = None
+                if caching:
+                    keys = prefix.keys()
+                    keys.pages, keys.num_tokens = self.all_keys[id(t)].pages, plen  # cut before the clock
+                    prefix.register_pages(pages[: plen // ps], keys)
+                return pages, keys
+
+            get_one = a.allocate_page
+            self._replay(admit, lambda pages, keys, first, full: prefix.register_pages(pages[first:full], keys, first),
+                         lambda pages: pages.append(get_one()), lambda pages: a.decref(pages[::-1]))
+        self.result = pool
+
+    def audit(self) -> str:
+        if self.kind == "vllm":
+            return f"in use {self.num_pages - self.result.get_num_free_blocks()}, evicted {self.result.evictions}"
+        st = self.result.allocator.stats()
+        return f"in use {st.in_use}, evicted {st.pages_evicted}"
+
+
+class PrefixHits(Side):
+    """Requests sharing 8 system prompts: hash/cut keys, match, take, allocate, register, free."""
+
+    def __init__(self, kind: str, requests: int, rounds: int) -> None:
+        self.kind = kind
+        rng = random.Random(2)
+        systems = [_tokens(rng, 1024) for _ in range(8)]
+        self.prompts = [systems[rng.randrange(8)] + _tokens(rng, 256) for _ in range(requests)]
+        num_pages = 8 * 64 + 40 * 17  # the systems stay cached; request tails churn
+        if kind == "vllm":
+            self.pool = vllm.BlockPool(num_pages + 1, enable_caching=True)
+            self.hit_pages = 0
+        else:
+            self.ppool = _pool(num_pages)
+            self.prefix = PrefixCache(self.ppool)
+
+    def run(self) -> None:
+        ps = PAGE
+        if self.kind == "vllm":
+            pool = self.pool
+            for tokens in self.prompts:
+                req = vllm.Request(tokens, [])
+                req.block_hashes.extend(vllm.request_block_hashes(req, ps))
+                (hit,) = find = vllm.find_longest_cache_hit(req.block_hashes, len(tokens) - 1, pool, ps, [0])
+                pool.touch(find)
+                blocks = hit + pool.get_new_blocks(-(-len(tokens) // ps) - len(hit))
+                pool.cache_full_blocks(req, blocks, len(hit), len(tokens) // ps, ps, 0)
+                pool.free_blocks(reversed(blocks))
+                self.hit_pages += len(hit)
+        else:
+            prefix, a = self.prefix, self.ppool.allocator
+            for tokens in self.prompts:
+                keys = prefix.keys(tokens)
+                hit = prefix.match(keys)
+                a.touch(hit)
+                pages = hit + a.allocate(-(-len(tokens) // ps) - len(hit)).tolist()
+                prefix.register_pages(pages[len(hit) : len(tokens) // ps], keys, len(hit))
+                a.decref(pages[::-1])
+                prefix._hit_pages += len(hit)
+
+    def audit(self) -> str:
+        if self.kind == "vllm":
+            return f"hit pages {self.hit_pages}, evicted {self.pool.evictions}"
+        st = self.ppool.allocator.stats()
+        return f"hit pages {self.prefix.stats().hit_pages}, evicted {st.pages_evicted}"
+
+
+# ---------------------------------------------------------------------------- driver
+def measure(sides: dict[str, Side], rounds: int, per_round: int) -> dict[str, float]:
+    """Median seconds per operation of each side, the sides taking turns each round.
+
+    The objects built before the clock starts (pools, keys, hashes) are moved out of the
+    garbage collector's reach first (``gc.freeze``, as vLLM does after start-up), so
+    neither side pays for traversing the other's set-up."""
+    gc.collect()
+    gc.freeze()
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(rounds):
+        for name, side in sides.items():
+            t = time.perf_counter()
+            side.run()
+            times[name].append((time.perf_counter() - t) / per_round)
+    gc.unfreeze()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
-    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--quick", action="store_true", help="fewer operations and rounds (< 1 min)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--only", default="", help="run the scenarios whose name contains this")
     args = p.parse_args()
-    reps = 3 if args.quick else 7
-    single_iters = 20_000 if args.quick else 100_000
-    batched_iters = 200 if args.quick else 1000
-    steps = 100 if args.quick else 400
-    makers = {
-        "deque baseline": DequeBaseline,
-        "FreeListAllocator": FreeListAllocator,
-        "SortedAllocator": SortedAllocator,
-    }
-    rows = {}
-    for name, make in makers.items():
-        rows[name] = (
-            bench_single(make, single_iters, reps),
-            bench_batched(make, args.batch, batched_iters, reps),
-            bench_decode(make, steps, reps),
-        )
-    base = rows["deque baseline"]
-    print(f"{'allocator':<20}{'single ops/s':>14}{'x':>7}{f'batched({args.batch}) pages/s':>26}{'x':>7}"
-          f"{'decode steps/s':>16}{'x':>7}")
-    for name, (s, b, d) in rows.items():
-        print(f"{name:<20}{s:>14,.0f}{s / base[0]:>7.2f}{b:>26,.0f}{b / base[1]:>7.2f}{d:>16,.1f}{d / base[2]:>7.2f}")
-    ratio = rows["FreeListAllocator"][1] / base[1]
-    print(f"batched allocate+free per page, FreeListAllocator/deque baseline: {ratio:.2f}x")
+    rounds = args.rounds or (5 if args.quick else 9)
+    scale = 1 if args.quick else 2
+    rows = []
+
+    def scenario(name: str, sides: dict[str, Side], per_round: int, unit: str) -> None:
+        if args.only not in name:
+            return
+        med = measure(sides, rounds, per_round)
+        ratio = med["vLLM model"] / med["pagedkv"]
+        rows.append((name, med, ratio, unit, {k: s.audit() for k, s in sides.items()}))
+        print(f"{name:<26}" + "".join(f"{k} {v * 1e6:9.2f} us  " for k, v in med.items())
+              + f"vLLM/pagedkv {ratio:5.2f}x", flush=True)
+
+    for n, iters in ((1, 5000 * scale), (256, 40 * scale)):
+        for caching in (False, True):
+            sides = {"pagedkv": GetFree("pagedkv", n, iters, caching),
+                     "vLLM model": GetFree("vllm", n, iters, caching)}
+            if not caching:
+                sides["deque"] = GetFree("deque", n, iters, False)
+                sides["sorted"] = GetFree("sorted", n, iters, False)
+            scenario(f"get+free n={n} caching {'on' if caching else 'off'}", sides, iters, "op")
+    for n, iters in ((1, 3000 * scale), (256, 10 * scale)):
+        scenario(f"cache churn n={n}", {"pagedkv": CacheChurn("pagedkv", n, iters, rounds),
+                                       "vLLM model": CacheChurn("vllm", n, iters, rounds)}, iters, "op")
+    steps = 100 * scale
+    for caching in (False, True):
+        scenario(f"decode churn caching {'on' if caching else 'off'}",
+                 {"pagedkv": DecodeChurn("pagedkv", caching, steps), "vLLM model": DecodeChurn("vllm", caching, steps)},
+                 steps, "step")
+    requests = 50 * scale
+    scenario("prefix hits + hashing", {"pagedkv": PrefixHits("pagedkv", requests, rounds),
+                                       "vLLM model": PrefixHits("vllm", requests, rounds)}, requests, "request")
+    print()
+    print(f"{'scenario':<28}{'pagedkv':>12}{'vLLM model':>12}{'vLLM/pagedkv':>14}   audit (pagedkv | vLLM model)")
+    for name, med, ratio, unit, audit in rows:
+        print(f"{name:<28}{med['pagedkv'] * 1e6:>9.2f} us{med['vLLM model'] * 1e6:>9.2f} us{ratio:>13.2f}x"
+              f"   {audit['pagedkv']} | {audit['vLLM model']}  (per {unit})")
+    worst = min((r[2] for r in rows), default=float("nan"))
+    print(f"\nslowest scenario: pagedkv {worst:.2f}x the vLLM model's speed (goal: >= 2x everywhere)")
 
 
 if __name__ == "__main__":

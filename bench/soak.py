@@ -68,7 +68,7 @@ def _kv(n: int, b: int = 1, dtype=mx.float32):
 
 def _alloc_state(pool) -> tuple:
     a = pool.allocator
-    return (a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(), tuple(a._lru),
+    return (a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(), tuple(a.cached_pages()),
             np.asarray(a._free_ids()).tobytes())
 
 

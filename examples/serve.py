@@ -29,7 +29,15 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from pagedkv import PagedBatch, PagePool, PoolExhausted, PrefixCache, can_admit, pages_for
+from pagedkv import (
+    PagedBatch,
+    PagePool,
+    PoolExhausted,
+    PrefixCache,
+    PrefixKeys,
+    can_admit,
+    pages_for,
+)
 from pagedkv.cli import int_at_least, positive_float, positive_int
 
 RANDOM_MODEL = {
@@ -47,6 +55,7 @@ class Request:
     max_new: int
     generated: list[int] = field(default_factory=list)
     preempted: int = 0
+    keys: PrefixKeys | None = None  # its prefix-cache keys, carried from match to register
 
     @property
     def done(self) -> bool:
@@ -100,10 +109,21 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
     t0 = time.perf_counter()
     decode_s = 0.0
 
+    def keys_of(req: Request) -> PrefixKeys:
+        """The request's keys, brought up to its tokens (each page is cut once)."""
+        tokens = len(req.prompt) + len(req.generated)
+        if req.keys is None:
+            req.keys = prefix.keys(req.prompt + req.generated)
+        elif req.keys.num_tokens > tokens:  # preempted: its last token was dropped
+            req.keys.truncate(tokens)
+        else:
+            req.keys.extend((req.prompt + req.generated)[req.keys.num_tokens :])
+        return req.keys
+
     def admit(req: Request) -> bool:
         tokens = req.prompt + req.generated
         if prefix is not None:
-            cache, rest = prefix.new_cache(model, tokens)
+            cache, rest = prefix.new_cache(model, keys_of(req))
         else:
             from pagedkv import make_paged_cache
 
@@ -117,7 +137,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
             cache.release()
             return False
         if prefix is not None:
-            prefix.register(cache, tokens)
+            prefix.register(cache, keys_of(req))
         req.generated.append(tok)
         batch.extend(cache)
         running.append(req)
@@ -132,7 +152,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
                 rejected.append(waiting.pop(0).rid)  # could never finish, even alone
                 continue
             tokens = len(req.prompt) + len(req.generated)
-            cached = len(prefix.match(req.prompt + req.generated)) * pool.page_size if prefix else 0
+            cached = len(prefix.match(keys_of(req))) * pool.page_size if prefix else 0
             # optimistic, as vLLM: the prompt plus a short lookahead must fit; growth beyond
             # that is paid for by preemption if the pool runs out
             lookahead = min(req.max_new - len(req.generated), 16)
@@ -157,7 +177,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
                     req.generated.pop()  # its last token was never written; recompute it
                     cache = batch.extract(victim)
                     if prefix is not None:
-                        prefix.register(cache, req.prompt + req.generated)
+                        prefix.register(cache, keys_of(req))
                     cache.release()
                     req.preempted += 1
                     preemptions += 1
@@ -175,7 +195,7 @@ def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, w
             if prefix is not None:
                 for i, r in enumerate(running):
                     if r.done:
-                        prefix.register(batch.tables()[i], r.prompt + r.generated)
+                        prefix.register(batch.tables()[i], keys_of(r))
             finished += [r for r in running if r.done]
             batch.filter(keep)
             running = [running[i] for i in keep]

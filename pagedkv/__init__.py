@@ -33,6 +33,7 @@ from pagedkv.errors import (
 from pagedkv.forward_pass import ForwardPass
 from pagedkv.pool import PagePool, raise_cache_limit
 from pagedkv.prefix import PrefixCache, PrefixStats
+from pagedkv.prefix_keys import PrefixKeys
 from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 from pagedkv.scheduling import can_admit, pages_for, preempt
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
@@ -42,6 +43,7 @@ from pagedkv.view import KvAttentionView
 
 __all__ = [
     "PrefixCache",
+    "PrefixKeys",
     "PrefixStats",
     "can_admit",
     "pages_for",

@@ -1,29 +1,36 @@
 """``PrefixCache``: reuse the K/V pages of prompt prefixes that were computed before.
 
-A *full* page's identity is a chained hash (blake2b, 32 bytes) of its parent page's
-hash, the cache's extra keys (model/adapter id, a salt) and the page's token ids::
+A *full* page is found by its key, ``(node of the prefix before it, its token ids)``
+(see :mod:`pagedkv.prefix_keys`)::
 
-    h0 = H(b"" | extra | tokens[0:ps])     h1 = H(h0 | extra | tokens[ps:2ps]) ...
+    root ──[t0..t15]──> page 7 (node 41) ──[t16..t31]──> page 3 (node 42) ──> ...
 
-so equal hashes mean equal whole prefixes. On a hit the stored token ids are compared
-before the page is trusted (a hash collision can never serve wrong K/V). A page whose
-sequence ends keeps its hash and becomes CACHED (reference count 0, evictable) in the
-allocator; it is evicted in LRU order only when an allocation needs the room, and its
-hash is forgotten then. A new request takes every cached page of its longest matching
-prefix (one more reference each) and computes only the rest; at least its last token
-is always computed, so the model yields logits.
+so a hit compares the token ids themselves and equal keys mean equal whole prefixes. A
+page whose sequence ends keeps its key and becomes CACHED (reference count 0,
+evictable) in the allocator; it is evicted in LRU order only when an allocation needs
+the room, and its key is forgotten then. Node numbers are never reused, so the pages
+registered below an evicted page can no longer be reached; they age out of the LRU. A
+new request takes every cached page of its longest matching prefix (one more reference
+each) and computes only the rest; at least its last token is always computed, so the
+model yields logits. Sequences with different ``extra_keys`` (a model or adapter id, a
+salt) start from different roots and never share pages.
 
-Ownership: the prefix cache owns the hash → page map and no references; pages are kept
+Ownership: the prefix cache owns the key → page map and no references; pages are kept
 alive by the tables that hold them, or by the allocator's CACHED state.
+
+Costs: ``match`` O(pages matched), ``register`` O(pages not yet registered by the same
+``PrefixKeys``), forgetting an evicted page O(1). Hand a request's ``PrefixKeys`` to
+every call for it: each full page is then cut and looked up once (a list of token ids
+works too; its keys are cut again on each call).
 """
 
 from __future__ import annotations
 
-import hashlib
-from typing import Sequence
+from collections import deque
+from itertools import chain, islice, repeat
+from typing import Sequence, Union
 
 import attrs
-import numpy as np
 
 from pagedkv.cache import PagedPromptCache, make_paged_cache
 from pagedkv.errors import (
@@ -31,9 +38,13 @@ from pagedkv.errors import (
     InvalidValueError,
     NotSupportedError,
     ReleasedError,
+    check_int,
 )
 from pagedkv.pool import PagePool
+from pagedkv.prefix_keys import PrefixKeys
 from pagedkv.table import PageTable
+
+TokensOrKeys = Union[Sequence[int], PrefixKeys]
 
 
 @attrs.frozen
@@ -54,69 +65,100 @@ class PrefixStats:
 class PrefixCache:
     def __init__(self, pool: PagePool, *, extra_keys: bytes | str = b"") -> None:
         self.pool = pool
-        self.extra = extra_keys.encode() if isinstance(extra_keys, str) else bytes(extra_keys)
-        self._by_hash: dict[bytes, int] = {}
-        self._info: dict[int, tuple[bytes, tuple[int, ...]]] = {}  # page -> (hash, tokens)
+        self.extra = _extra(extra_keys)
+        self._by_key: dict[tuple[int, bytes], int] = {}
+        self._key_of_page: dict[int, tuple[int, bytes]] = {}  # registered page -> its key
+        self._node_of_page: list[int] = [0] * pool.num_pages  # read only for registered pages
+        self._roots: dict[bytes, int] = {}
+        self._next_node = 1
         pool.allocator.evict_listeners.append(self._forget)
         self._queries = self._query_tokens = self._hit_tokens = self._hit_pages = self._evictions = 0
 
-    def page_hash(self, parent: bytes, tokens: Sequence[int]) -> bytes:
-        h = hashlib.blake2b(digest_size=32)
-        h.update(parent)
-        h.update(len(self.extra).to_bytes(4, "little"))
-        h.update(self.extra)
-        h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-        return h.digest()
+    # ------------------------------------------------------------------ keys
+    def keys(self, tokens: Sequence[int] = (), *, extra_keys: bytes | str | None = None) -> PrefixKeys:
+        """A ``PrefixKeys`` for a new sequence starting with ``tokens``; ``extra_keys``
+        (default: this cache's) separates sequences that must never share pages."""
+        extra = self.extra if extra_keys is None else _extra(extra_keys)
+        root = self._roots.get(extra)
+        if root is None:
+            root = self._roots[extra] = self._new_node()
+        return PrefixKeys(self, self.pool.page_size, root, tokens)
+
+    def _new_node(self) -> int:
+        node = self._next_node
+        self._next_node = node + 1
+        return node
+
+    def _keys_of(self, tokens: TokensOrKeys) -> PrefixKeys:
+        if isinstance(tokens, PrefixKeys):
+            if tokens.owner is not self:
+                raise InvalidValueError("these PrefixKeys were made by another PrefixCache")
+            return tokens
+        return self.keys(tokens)
 
     def _forget(self, ids: list[int]) -> None:
-        for page in ids:
-            info = self._info.pop(page, None)
-            if info is not None:
-                del self._by_hash[info[0]]
+        """Evict listener: drop the keys of evicted pages (C-level loops: O(len(ids)))."""
+        if len(ids) == 1:
+            key = self._key_of_page.pop(ids[0], None)
+            if key is not None:
+                del self._by_key[key]
                 self._evictions += 1
+            return
+        keys = list(map(self._key_of_page.pop, ids, repeat(None)))
+        if None in keys:  # pages another prefix cache registered
+            keys = [key for key in keys if key is not None]
+        deque(map(self._by_key.__delitem__, keys), maxlen=0)
+        self._evictions += len(keys)
 
     # ------------------------------------------------------------------ lookups
-    def match(self, tokens: Sequence[int]) -> list[int]:
+    def match(self, tokens: TokensOrKeys) -> list[int]:
         """Pages of the longest cached prefix of ``tokens`` (no references taken).
 
-        Only full pages count, and the last token is never covered.
+        Only full pages count, and the last token is never covered. Given a
+        ``PrefixKeys``, records the matched pages' nodes in it for ``register``.
         """
-        ps = self.pool.page_size
-        ids = _token_ids(tokens)
-        pages, parent = [], b""
-        for i in range((len(ids) - 1) // ps):
-            chunk = ids[i * ps : (i + 1) * ps]
-            parent = self.page_hash(parent, chunk)
-            page = self._by_hash.get(parent)
-            if page is None or self._info[page][1] != chunk:  # verify the tokens themselves
+        keys = self._keys_of(tokens)
+        by_key, node_of = self._by_key, self._node_of_page
+        parent = keys.root
+        pages: list[int] = []
+        for chunk in islice(keys.pages, max(0, (keys.num_tokens - 1) // keys.page_size)):
+            page = by_key.get((parent, chunk))
+            if page is None:
                 break
+            parent = node_of[page]
             pages.append(page)
+        keys.nodes = [node_of[page] for page in pages]
         return pages
 
-    def new_cache(self, model, tokens: Sequence[int]) -> tuple[PagedPromptCache, list[int]]:
+    def new_cache(self, model, tokens: TokensOrKeys) -> tuple[PagedPromptCache, list[int]]:
         """A one-sequence cache already holding the longest cached prefix of ``tokens``.
 
         Returns (cache, the tokens still to run through the model).
         """
-        pages = self.match(tokens)  # checks the token ids before anything is built
-        if len(tokens) == 0:
+        keys = self._keys_of(tokens)
+        if keys.num_tokens == 0:
             raise InvalidValueError("a request needs at least one token")
+        pages = self.match(keys)
         cache = make_paged_cache(model, self.pool)
         if len(cache.tables) != 1 or cache.tables[0].window is not None:
             cache.release()
             raise NotSupportedError("prefix caching serves full-attention models")
         self._queries += 1
-        self._query_tokens += len(tokens)
+        self._query_tokens += keys.num_tokens
         if pages:
             self.pool.allocator.touch(pages)  # one reference each; revives CACHED pages
             cache.rows.adopt_prefix(pages)
             self._hit_pages += len(pages)
             self._hit_tokens += len(pages) * self.pool.page_size
+        if isinstance(tokens, PrefixKeys):
+            return cache, keys.token_ids(len(pages) * self.pool.page_size)
         return cache, list(tokens[len(pages) * self.pool.page_size :])
 
-    def register(self, table: PageTable | PagedPromptCache, tokens: Sequence[int]) -> int:
-        """Make the full pages of a sequence findable; ``tokens`` are its token ids
-        (at least its first ``num_tokens``). Returns the number of pages newly registered."""
+    def register(self, table: PageTable | PagedPromptCache, tokens: TokensOrKeys) -> int:
+        """Make the full pages of a sequence findable; ``tokens`` are its token ids (at
+        least its first ``num_tokens``) or its ``PrefixKeys``. Returns the number of
+        pages newly registered. Pages whose key is already known (maybe as another page
+        with the same content) are skipped."""
         if isinstance(table, PagedPromptCache):
             table.rows.check_alive()
             if len(table.tables) != 1:
@@ -130,40 +172,106 @@ class PrefixCache:
             raise InvalidValueError("the table's pages are in another pool than the prefix cache's")
         if table.window is not None:
             raise NotSupportedError("prefix caching serves full-attention tables; a sliding window drops pages")
-        ps = self.pool.page_size
-        full = table.num_tokens // ps
-        if len(tokens) < full * ps:
-            raise InvalidValueError(f"need the ids of the {full * ps} tokens in full pages, got {len(tokens)}")
-        ids = _token_ids(tokens[: full * ps])  # all checked before anything is registered
-        pages = table.pages
-        parent, new = b"", []
-        for i in range(full):
-            chunk = ids[i * ps : (i + 1) * ps]
-            parent = self.page_hash(parent, chunk)
-            page = int(pages[i])
-            if parent in self._by_hash or page in self._info:
-                continue  # already cached (maybe as another page with the same content)
-            self._by_hash[parent] = page
-            self._info[page] = (parent, chunk)
-            new.append(page)
-        if new:
-            self.pool.allocator.set_cacheable(new)
+        keys = self._keys_of(tokens)  # all checked before anything is registered
+        full = table.num_tokens // self.pool.page_size
+        self._require_tokens(keys, full)
+        start = min(len(keys.nodes), full)
+        return self._register(table.page_ids(start, full).tolist(), start, keys)
+
+    def register_pages(self, pages: Sequence[int], keys: PrefixKeys, first: int = 0) -> int:
+        """Register ``pages`` as pages ``first, first + 1, ...`` of the sequence ``keys``
+        describes (all full and held): ``register`` without a table, for callers that keep
+        their own page lists. ``first`` may not pass the pages whose nodes ``keys``
+        knows (from ``match`` or earlier registrations). O(len(pages)); bad input raises
+        a typed error and registers nothing."""
+        keys = self._keys_of(keys)
+        if first.__class__ is not int or not 0 <= first <= len(keys.nodes):
+            check_int("first", first, minimum=0, maximum=len(keys.nodes))
+        ids = pages
+        if pages.__class__ is list:
+            n = self.pool.num_pages
+            for p in pages:
+                if p.__class__ is not int or not 0 <= p < n:
+                    ids = None
+                    break
+        else:
+            ids = None
+        if ids is None:
+            ids = self.pool.allocator.checked_ids(pages).tolist()
+        if len(keys.pages) < first + len(ids):
+            self._require_tokens(keys, first + len(ids))
+        if len(ids) > 1 and len(set(ids)) != len(ids):
+            raise InvalidValueError("a page is listed twice")
+        return self._register(ids, first, keys)
+
+    def _require_tokens(self, keys: PrefixKeys, full: int) -> None:
+        if keys.num_full_pages < full:
+            ps = self.pool.page_size
+            raise InvalidValueError(f"need the ids of the {full * ps} tokens in full pages, got {keys.num_tokens}")
+
+    def _register(self, pages: list[int], start: int, keys: PrefixKeys) -> int:
+        """Register ``pages`` (page indices ``start`` on of ``keys``' sequence).
+
+        Walks the keys while they are known (another page with the same content is
+        reused as the parent); from the first unknown key on, every key hangs below a
+        node made in this call, so the rest are new and get consecutive nodes in one
+        bulk insert. The new pages are marked cacheable (which checks that they are
+        held) before anything is inserted, so a refusal changes nothing."""
+        if not pages:
+            return 0
+        by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
+        nodes, chunks = keys.nodes, keys.pages
+        parent = nodes[start - 1] if start else keys.root
+        end = start + len(pages)
+        i = start
+        walked = []
+        while i < end:  # the known part: pages whose content is cached already
+            known = by_key.get((parent, chunks[i]))
+            if known is None:
+                page = pages[i - start]
+                if page not in key_of:
+                    break
+                known = page  # this very page, registered under an older chain
+            parent = node_of[known]
+            walked.append(parent)
+            i += 1
+        new = pages[i - start :]
+        if not key_of.keys().isdisjoint(new):
+            raise InvalidValueError("a page to register is already registered under another prefix")
+        if len(new) == 1:  # a decode step's page: no bulk machinery
+            self.pool.allocator.set_cacheable(new)  # may refuse: nothing has changed yet
+            page, key, node = new[0], (parent, chunks[i]), self._next_node
+            self._next_node = node + 1
+            by_key[key] = page
+            key_of[page] = key
+            node_of[page] = node
+            walked.append(node)
+        elif new:
+            self.pool.allocator.set_cacheable(new)  # may refuse: nothing has changed yet
+            base = self._next_node
+            self._next_node = base + len(new)
+            new_nodes = range(base, base + len(new))
+            new_keys = list(zip(chain((parent,), new_nodes), chunks[i:end]))
+            by_key.update(zip(new_keys, new))
+            key_of.update(zip(new, new_keys))
+            for page, node in zip(new, new_nodes):
+                node_of[page] = node
+            walked.extend(new_nodes)
+        del nodes[start:]
+        nodes.extend(walked)
         return len(new)
 
     def stats(self) -> PrefixStats:
         return PrefixStats(
             queries=self._queries, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
-            hit_pages=self._hit_pages, registered_pages=len(self._info),
+            hit_pages=self._hit_pages, registered_pages=len(self._by_key),
             cached_pages=self.pool.allocator.num_cached(), evictions=self._evictions,
         )
 
 
-def _token_ids(tokens: Sequence[int]) -> tuple[int, ...]:
-    """Token ids as a tuple of Python ints, or ``InvalidTypeError`` (nothing changes)."""
-    try:
-        arr = np.asarray(tokens)
-    except (TypeError, ValueError) as e:
-        raise InvalidTypeError(f"token ids must be a sequence of ints: {e}") from None
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise InvalidTypeError(f"token ids must be a 1-d sequence of ints, got {arr.dtype} of shape {arr.shape}")
-    return tuple(arr.tolist())
+def _extra(extra_keys: bytes | str) -> bytes:
+    if isinstance(extra_keys, str):
+        return extra_keys.encode()
+    if isinstance(extra_keys, (bytes, bytearray)):
+        return bytes(extra_keys)
+    raise InvalidTypeError(f"extra_keys must be bytes or str, got {type(extra_keys).__name__}")

@@ -38,7 +38,7 @@ def _owner(o) -> tuple:
 def state_of(pool, *owners, arrays: bool = True) -> tuple:
     a = pool.allocator
     alloc = (a.stats(), a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(),
-             tuple(a._lru), np.asarray(a._free_ids()).tobytes())
+             tuple(a.cached_pages()), np.asarray(a._free_ids()).tobytes())
     data = []
     if arrays:
         data = [(_bytes(k), _bytes(v)) for ks, vs in zip(pool._k, pool._v) for k, v in zip(ks, vs)]

@@ -57,6 +57,33 @@ class AllocatorModel(RuleBasedStateMachine):
             assert p not in self.rc and p not in self.lru
             self.rc[p] = 1
 
+    @rule()
+    def allocate_page(self):
+        avail = N - 1 - len(self.rc)
+        if avail == 0:
+            with pytest.raises(PoolExhausted):
+                self.a.allocate_page()
+            return
+        self.evicted.clear()
+        page = self.a.allocate_page()
+        if avail == len(self.lru):  # no free page: the LRU page is evicted into use
+            assert self.evicted == [self.lru[0]] == [page]
+            self.cacheable.discard(page)
+            self.lru.pop(0)
+        assert type(page) is int and page not in self.rc and page not in self.lru and page != 0
+        self.rc[page] = 1
+
+    @precondition(lambda self: self.rc)
+    @rule(data=st.data())
+    def decref_page(self, data):
+        page = data.draw(st.sampled_from(self._in_use()))
+        self.a.decref_page(page)
+        self.rc[page] -= 1
+        if self.rc[page] == 0:
+            del self.rc[page]
+            if page in self.cacheable:
+                self.lru.append(page)
+
     @precondition(lambda self: self.rc)
     @rule(data=st.data())
     def incref_or_fork(self, data):
@@ -85,12 +112,12 @@ class AllocatorModel(RuleBasedStateMachine):
                 if p in self.cacheable:
                     self.lru.append(p)
 
-    @rule(page=st.integers(0, N - 1))
-    def decref_free_page_raises(self, page):
+    @rule(page=st.integers(0, N - 1), one=st.booleans())
+    def decref_free_page_raises(self, page, one):
         if page in self.rc:
             return
         with pytest.raises((RefCountError, ValueError)):
-            self.a.decref([page])
+            self.a.decref_page(page) if one else self.a.decref([page])
 
     @precondition(lambda self: self.rc or self.lru)
     @rule(data=st.data(), flag=st.booleans())

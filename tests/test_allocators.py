@@ -269,7 +269,7 @@ def test_debug_env_runs_check_after_every_call(make, monkeypatch):
     monkeypatch.setenv("PAGEDKV_CHECK_INVARIANTS", "1")
     a = make(4)
     ids = a.allocate(2)
-    a._state[ids[0]] = 0  # corrupt; the next mutating call must notice
+    a._state[ids[0]] = 2  # corrupt (in use, marked CACHED); the next mutating call must notice
     with pytest.raises(InvariantViolation):
         a.allocate(1)
 
@@ -285,3 +285,40 @@ def test_single_page_queries_validate_their_argument(make):
     for bad in (1.0, True, "1", None):
         with pytest.raises(InvalidArgument):
             a.page_state(bad)
+
+
+def test_one_page_calls_refuse_bad_input_and_change_nothing(make):
+    a = make(4, null_page=True)
+    page = a.allocate_page()
+    before = (a.stats(), a._refcount.tobytes(), a._state.tobytes())
+    for bad, error in ((0, InvalidPage), (4, InvalidPage), (-1, InvalidPage), (1.0, InvalidArgument),
+                       (True, InvalidArgument), (page + 1, RefCountError)):
+        with pytest.raises(error):
+            a.decref_page(bad)
+        assert (a.stats(), a._refcount.tobytes(), a._state.tobytes()) == before
+    a.decref_page(np.int64(page))  # numpy ints are page ids too
+    assert a.num_free() == 3
+    a.allocate(3)
+    with pytest.raises(PoolExhausted):
+        a.allocate_page()
+    a.check()
+
+
+def test_the_lru_log_keeps_order_and_stays_bounded_through_many_cache_and_revive_cycles(make):
+    a = make(64)
+    pages = a.allocate(64)
+    a.set_cacheable(pages)
+    a.decref(pages)  # all cached, 0 oldest
+    order = pages.tolist()
+    rng = np.random.default_rng(0)
+    for _ in range(20_000):  # revive a random cached page and cache it again: it becomes newest
+        p = int(rng.integers(64))
+        a.touch([p])
+        a.decref_page(p)
+        order.remove(p)
+        order.append(p)
+    assert a.cached_pages() == order
+    assert len(a._log) <= 2 * 64 + 1024 + 1  # compacted, not 20 064 entries
+    assert a.evict(5) == order[:5]
+    assert sorted(a.allocate_page() for _ in range(5)) == sorted(order[:5])  # the freed pages
+    a.check()
