@@ -158,7 +158,12 @@ class PrefixCache:
         """Make the full pages of a sequence findable; ``tokens`` are its token ids (at
         least its first ``num_tokens``) or its ``PrefixKeys``. Returns the number of
         pages newly registered. Pages whose key is already known (maybe as another page
-        with the same content) are skipped."""
+        with the same content) are skipped.
+
+        ``PrefixKeys`` must hold exactly the tokens the table's pages were computed from:
+        after trimming the sequence (rejected draft tokens, a preemption), call
+        ``keys.truncate`` before extending it again. Its known nodes are trusted, so keys
+        that ran ahead of a trim would file the new pages under the old prefix."""
         if isinstance(table, PagedPromptCache):
             table.rows.check_alive()
             if len(table.tables) != 1:
