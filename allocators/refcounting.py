@@ -230,6 +230,20 @@ class RefCountingAllocator:
         if not ok.all():
             self._refuse(call, int(a[int(np.argmin(ok))]))
 
+    def _require_held_or_cached(self, a: np.ndarray, counts: np.ndarray, call: str) -> tuple[np.ndarray, bool]:
+        """Raise unless every page is IN_USE or CACHED; returns (count == 0, any such)."""
+        idle = counts == 0
+        any_idle = bool(idle.any())
+        if any_idle and (self._state[a[idle]] != _CACHED).any():
+            self._require_state(a, (_IN_USE, _CACHED), call)
+        return idle, any_idle
+
+    def _note_peak(self) -> None:
+        """Record the fewest free + cached pages seen (``allocate_page`` inlines this)."""
+        avail = len(self._free) + self._num_cached
+        if avail < self._low:
+            self._low = avail
+
     # ------------------------------------------------------------------ queries
     @property
     def num_pages(self) -> int:
@@ -281,12 +295,7 @@ class RefCountingAllocator:
         else:  # evict the least recently used cached page straight into use
             if not self._num_cached:
                 raise PoolExhausted(1, 0)
-            page = self._take_lru_page()
-            self._state_b[page] = _FREE
-            self._cacheable_b[page] = False
-            self._evicted += 1
-            for listener in self.evict_listeners:
-                listener([page])
+            page = self._evict_page()
         self._rc[page] = 1
         avail = len(free) + self._num_cached
         if avail < self._low:
@@ -341,9 +350,7 @@ class RefCountingAllocator:
             self._evict(short)
         ids = self._pop_free(n)
         self._refcount[ids] = 1
-        avail = len(self._free) + self._num_cached
-        if avail < self._low:
-            self._low = avail
+        self._note_peak()
         return ids
 
     def incref(self, ids: Sequence[int] | np.ndarray) -> None:
@@ -408,10 +415,7 @@ class RefCountingAllocator:
             return
         rc = self._refcount
         r = rc[a]
-        idle = r == 0
-        any_idle = idle.any()
-        if any_idle and (self._state[a[idle]] != _CACHED).any():
-            self._require_state(a, (_IN_USE, _CACHED), "touch")
+        idle, any_idle = self._require_held_or_cached(a, r, "touch")
         dup = self._has_duplicates(a)
         if any_idle:
             cached = a[idle]
@@ -420,9 +424,7 @@ class RefCountingAllocator:
             self._state[cached] = _FREE  # the byte an IN_USE page keeps; its log entry dies
             self._num_cached -= cached.size
             self._revived += cached.size
-            avail = len(self._free) + self._num_cached
-            if avail < self._low:
-                self._low = avail
+            self._note_peak()
         if dup:
             np.add.at(rc, a, 1)
         else:
@@ -442,10 +444,7 @@ class RefCountingAllocator:
         a = self._ids(ids)
         if a.size == 0:
             return
-        idle = self._refcount[a] == 0
-        any_idle = idle.any()
-        if any_idle and (self._state[a[idle]] != _CACHED).any():
-            self._require_state(a, (_IN_USE, _CACHED), "set_cacheable")
+        idle, any_idle = self._require_held_or_cached(a, self._refcount[a], "set_cacheable")
         self._cacheable[a] = bool(cacheable)
         if cacheable:
             self._caching = True
@@ -488,21 +487,28 @@ class RefCountingAllocator:
         if n == 0:
             return []
         if n == 1:
-            page = self._take_lru_page()
-            self._state_b[page] = _FREE
-            self._cacheable_b[page] = False
+            page = self._evict_page()
             self._give_free(page)
-            out = [page]
-        else:
-            a = self._take_lru(n)
-            self._state[a] = _FREE
-            self._cacheable[a] = False
-            self._push_free(a)
-            out = a.tolist()
+            return [page]
+        a = self._take_lru(n)
+        self._state[a] = _FREE
+        self._cacheable[a] = False
+        self._push_free(a)
+        out = a.tolist()
         self._evicted += n
         for listener in self.evict_listeners:
             listener(out)
         return out
+
+    def _evict_page(self) -> int:
+        """Evict the least recently used CACHED page; it is FREE but in no free set yet."""
+        page = self._take_lru_page()
+        self._state_b[page] = _FREE
+        self._cacheable_b[page] = False
+        self._evicted += 1
+        for listener in self.evict_listeners:
+            listener([page])
+        return page
 
     def _take_lru_page(self) -> int:
         """Consume the oldest live log entry and return its page (still marked CACHED)."""
@@ -524,8 +530,7 @@ class RefCountingAllocator:
         while need:
             m = min(log.size - h, max(2 * need, 64))
             chunk = log[h : h + m]
-            live = np.flatnonzero((self._log_pos_np[chunk] == np.arange(self._log_base + h, self._log_base + h + m))
-                                  & (self._state[chunk] == _CACHED))[:need]
+            live = np.flatnonzero(self._live(chunk, h))[:need]
             parts.append(chunk[live])
             if live.size == need:
                 h += int(live[-1]) + 1
@@ -542,10 +547,15 @@ class RefCountingAllocator:
     def _live_log(self) -> np.ndarray:
         """The pages of the live log entries, oldest first (a copy)."""
         log = np.frombuffer(self._log, dtype=np.int64)[self._head :]
-        at = np.arange(self._log_base + self._head, self._log_base + len(self._log))
-        out = log[(self._log_pos_np[log] == at) & (self._state[log] == _CACHED)].copy()
+        out = log[self._live(log, self._head)].copy()
         del log
         return out
+
+    def _live(self, entries: np.ndarray, index: int) -> np.ndarray:
+        """Which of the log entries starting at ``self._log[index]`` are live (see the
+        module doc; ``_take_lru_page`` tests one entry the same way)."""
+        at = np.arange(self._log_base + index, self._log_base + index + entries.size)
+        return (self._log_pos_np[entries] == at) & (self._state[entries] == _CACHED)
 
     def _compact_log(self) -> None:
         """Keep only the live entries (O(log length), after the log doubled)."""

@@ -55,9 +55,7 @@ class SortedAllocator(RefCountingAllocator):
         ids = free[start : start + n]
         del self._free[start : start + n]
         self._refcount[ids] = 1
-        avail = len(self._free) + self._num_cached
-        if avail < self._low:
-            self._low = avail
+        self._note_peak()
         return ids.copy()
 
 

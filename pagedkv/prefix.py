@@ -26,8 +26,7 @@ works too; its keys are cut again on each call).
 
 from __future__ import annotations
 
-from collections import deque
-from itertools import chain, islice, repeat
+from itertools import islice
 from typing import Sequence, Union
 
 import attrs
@@ -97,18 +96,13 @@ class PrefixCache:
         return self.keys(tokens)
 
     def _forget(self, ids: list[int]) -> None:
-        """Evict listener: drop the keys of evicted pages (C-level loops: O(len(ids)))."""
-        if len(ids) == 1:
-            key = self._key_of_page.pop(ids[0], None)
-            if key is not None:
-                del self._by_key[key]
+        """Evict listener: drop the keys of evicted pages. O(len(ids))."""
+        key_of, by_key = self._key_of_page, self._by_key
+        for page in ids:
+            key = key_of.pop(page, None)
+            if key is not None:  # (pages another prefix cache registered have none here)
+                del by_key[key]
                 self._evictions += 1
-            return
-        keys = list(map(self._key_of_page.pop, ids, repeat(None)))
-        if None in keys:  # pages another prefix cache registered
-            keys = [key for key in keys if key is not None]
-        deque(map(self._by_key.__delitem__, keys), maxlen=0)
-        self._evictions += len(keys)
 
     # ------------------------------------------------------------------ lookups
     def match(self, tokens: TokensOrKeys) -> list[int]:
@@ -203,8 +197,7 @@ class PrefixCache:
             ids = None
         if ids is None:
             ids = self.pool.allocator.checked_ids(pages).tolist()
-        if len(keys.pages) < first + len(ids):
-            self._require_tokens(keys, first + len(ids))
+        self._require_tokens(keys, first + len(ids))
         if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvalidValueError("a page is listed twice")
         return self._register(ids, first, keys)
@@ -243,25 +236,17 @@ class PrefixCache:
         new = pages[i - start :]
         if not key_of.keys().isdisjoint(new):
             raise InvalidValueError("a page to register is already registered under another prefix")
-        if len(new) == 1:  # a decode step's page: no bulk machinery
+        if new:
             self.pool.allocator.set_cacheable(new)  # may refuse: nothing has changed yet
-            page, key, node = new[0], (parent, chunks[i]), self._next_node
-            self._next_node = node + 1
-            by_key[key] = page
-            key_of[page] = key
-            node_of[page] = node
-            walked.append(node)
-        elif new:
-            self.pool.allocator.set_cacheable(new)  # may refuse: nothing has changed yet
-            base = self._next_node
-            self._next_node = base + len(new)
-            new_nodes = range(base, base + len(new))
-            new_keys = list(zip(chain((parent,), new_nodes), chunks[i:end]))
-            by_key.update(zip(new_keys, new))
-            key_of.update(zip(new, new_keys))
-            for page, node in zip(new, new_nodes):
-                node_of[page] = node
-            walked.extend(new_nodes)
+            node = self._next_node
+            for page, chunk in zip(new, chunks[i:end]):
+                key = (parent, chunk)
+                by_key[key] = page
+                key_of[page] = key
+                node_of[page] = parent = node
+                walked.append(node)
+                node += 1
+            self._next_node = node
         del nodes[start:]
         nodes.extend(walked)
         return len(new)
