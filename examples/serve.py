@@ -4,19 +4,21 @@
     python examples/serve.py --model smollm2     # the real SmolLM2-135M
 
 Requests arrive over time (Poisson), with long-tailed prompt and output lengths; a
-fraction of them start with the same long system prompt. Every engine step:
-  1. admit waiting requests while ``can_admit`` says their pages fit (first come, first
+fraction of them start with the same long system prompt. The loop is pagedkv's serving
+``Engine`` (the one ``pagedkv serve`` runs), stepped by hand: every engine step
+  1. admits waiting requests while ``can_admit`` says their pages fit (first come, first
      served): each is prefilled on its own, starting from its longest cached prefix
      (``PrefixCache``), then joins the batch (``PagedBatch.extend``: no K/V copy);
-  2. decode one token for every running request in one batched forward;
+  2. decodes one token for every running request in one batched forward;
      if the pool runs out, the newest request is preempted (its pages freed; its full
      pages stay cached, so it resumes from them later);
   3. finished requests leave the batch (their pages become cached or free).
 A request whose prompt plus its maximum output can never fit in the whole pool is
-rejected on arrival (counted and reported, as a server answers 4xx), so every admitted
-request can finish even alone and the loop always ends. It shows live progress with an
-ETA, then prints throughput, prefix hit rate, preemptions, rejections and peak pages, and
-saves a plot of pool usage (in use / cached / free) over time.
+rejected on arrival (``RequestTooLarge``, counted and reported, as a server answers
+4xx), so every admitted request can finish even alone and the loop always ends. It
+shows live progress with an ETA, then prints throughput, prefix hit rate, preemptions,
+rejections and peak pages, and saves a plot of pool usage (in use / cached / free) over
+time.
 """
 
 from __future__ import annotations
@@ -29,16 +31,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from pagedkv import (
-    PagedBatch,
-    PagePool,
-    PoolExhausted,
-    PrefixCache,
-    PrefixKeys,
-    can_admit,
-    pages_for,
-)
+from pagedkv import PagePool
 from pagedkv.cli import int_at_least, positive_float, positive_int
+from pagedkv.serving import Delta, Engine, GenerationRequest, RequestTooLarge, SamplingParams
 
 RANDOM_MODEL = {
     "model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
@@ -55,7 +50,6 @@ class Request:
     max_new: int
     generated: list[int] = field(default_factory=list)
     preempted: int = 0
-    keys: PrefixKeys | None = None  # its prefix-cache keys, carried from match to register
 
     @property
     def done(self) -> bool:
@@ -83,9 +77,7 @@ def make_trace(n: int, vocab: int, seed: int = 0, rate: float = 0.5, shared_frac
 class ServeReport:
     steps: int
     seconds: float
-    decode_seconds: float
     generated: int
-    decode_tokens: int
     preemptions: int
     rejected: list[int]  # ids of requests that can never fit the pool
     peak_pages: int
@@ -97,130 +89,56 @@ class ServeReport:
 
 def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, watermark: float = 0.02,
           prefix_caching: bool = True, progress: bool = True) -> ServeReport:
-    prefix = PrefixCache(pool) if prefix_caching else None
-    batch = PagedBatch.for_model(model, pool)
-    waiting = sorted(trace, key=lambda r: r.arrival)
-    running: list[Request] = []
-    finished: list[Request] = []
+    """Run ``trace`` through an ``Engine``; fills in each request's ``generated`` (greedy)."""
+    engine = Engine(model, pool, decode=lambda ids: "", max_batch=max_batch, watermark=watermark,
+                    prefix_caching=prefix_caching)
+    arriving = sorted(trace, key=lambda r: r.arrival)
+    work: dict[int, GenerationRequest] = {}
     rejected: list[int] = []
     usage, live, reserved = [], [], []
-    pending = []  # next input token per running row
-    step = preemptions = decode_tokens = 0
+    step = finished = 0
     t0 = time.perf_counter()
-    decode_s = 0.0
 
-    def keys_of(req: Request) -> PrefixKeys:
-        """The request's keys, brought up to its tokens (each page is cut once)."""
-        tokens = len(req.prompt) + len(req.generated)
-        if req.keys is None:
-            req.keys = prefix.keys(req.prompt + req.generated)
-        elif req.keys.num_tokens > tokens:  # preempted: its last token was dropped
-            req.keys.truncate(tokens)
-        else:
-            req.keys.extend((req.prompt + req.generated)[req.keys.num_tokens :])
-        return req.keys
+    def sink_of(req: Request):
+        def sink(delta: Delta) -> None:
+            nonlocal finished
+            req.generated.extend(delta.token_ids)
+            finished += delta.finish_reason is not None
+        return sink
 
-    def admit(req: Request) -> bool:
-        tokens = req.prompt + req.generated
-        if prefix is not None:
-            cache, rest = prefix.new_cache(model, keys_of(req))
-        else:
-            from pagedkv import make_paged_cache
-
-            cache, rest = make_paged_cache(model, pool), tokens
-        try:
-            for i in range(0, len(rest) - 1, 256):
-                mx.eval(model(mx.array(rest[i : min(i + 256, len(rest) - 1)])[None], cache=cache))
-            logits = model(mx.array(rest[-1:])[None], cache=cache)[0, -1]
-            tok = int(mx.argmax(logits).item())
-        except PoolExhausted:
-            cache.release()
-            return False
-        if prefix is not None:
-            prefix.register(cache, keys_of(req))
-        req.generated.append(tok)
-        batch.extend(cache)
-        running.append(req)
-        pending.append(tok)
-        return True
-
-    while waiting or running:
-        # 1. admission, first come first served
-        while waiting and waiting[0].arrival <= step and len(running) < max_batch:
-            req = waiting[0]
-            if pages_for(len(req.prompt) + req.max_new, pool.page_size) > pool.usable_pages:
-                rejected.append(waiting.pop(0).rid)  # could never finish, even alone
-                continue
-            tokens = len(req.prompt) + len(req.generated)
-            cached = len(prefix.match(keys_of(req))) * pool.page_size if prefix else 0
-            # optimistic, as vLLM: the prompt plus a short lookahead must fit; growth beyond
-            # that is paid for by preemption if the pool runs out
-            lookahead = min(req.max_new - len(req.generated), 16)
-            if not can_admit(pool, tokens, lookahead, cached_tokens=cached, watermark=watermark) and running:
-                break
-            if not admit(waiting.pop(0)):
-                waiting.insert(0, req)
-                break
-        # 2. one batched decode step (requests that just finished their prefill may be done)
-        if running:
-            while True:
-                try:
-                    t = time.perf_counter()
-                    logits = model(mx.array(pending)[:, None], cache=batch.caches)[:, -1]
-                    toks = mx.argmax(logits, axis=-1).tolist()
-                    decode_s += time.perf_counter() - t
-                    break
-                except PoolExhausted:  # preempt the newest request and retry
-                    victim = len(running) - 1
-                    req = running.pop(victim)
-                    pending.pop(victim)
-                    req.generated.pop()  # its last token was never written; recompute it
-                    cache = batch.extract(victim)
-                    if prefix is not None:
-                        prefix.register(cache, keys_of(req))
-                    cache.release()
-                    req.preempted += 1
-                    preemptions += 1
-                    waiting.insert(0, req)
-                    if not running:
-                        toks = []
-                        break
-            decode_tokens += len(toks)
-            for i, tok in enumerate(toks):
-                running[i].generated.append(tok)
-                pending[i] = tok
-        # 3. finished requests leave
-        keep = [i for i, r in enumerate(running) if not r.done]
-        if len(keep) != len(running):
-            if prefix is not None:
-                for i, r in enumerate(running):
-                    if r.done:
-                        prefix.register(batch.tables()[i], keys_of(r))
-            finished += [r for r in running if r.done]
-            batch.filter(keep)
-            running = [running[i] for i in keep]
-            pending = [pending[i] for i in keep]
+    while arriving or engine.has_work:
+        while arriving and arriving[0].arrival <= step:
+            req = arriving.pop(0)
+            work[req.rid] = GenerationRequest(str(req.rid), req.prompt, SamplingParams(max_tokens=req.max_new),
+                                              sink_of(req))
+            try:
+                engine.add(work[req.rid])
+            except RequestTooLarge:  # could never finish, even alone
+                rejected.append(req.rid)
+        engine.step()
         st = pool.allocator.stats()
         usage.append((st.in_use, st.cached, st.free))
-        live.append(sum(batch.lengths))
-        reserved.append(sum(t.num_pages for t in batch.tables()))
+        live.append(sum(engine.batch.lengths))
+        reserved.append(sum(t.num_pages for t in engine.batch.tables()))
         step += 1
-        if progress and (step % 5 == 0 or not (waiting or running)):
-            done = len(finished) + len(rejected)
+        if progress and (step % 5 == 0 or not (arriving or engine.has_work)):
+            done = finished + len(rejected)
             elapsed = time.perf_counter() - t0
             eta = f"{elapsed / done * (len(trace) - done):5.0f} s" if done else "    ?"
-            print(f"\rstep {step:5d}  done {len(finished):4d}  running {len(running):3d}  "
-                  f"waiting {sum(r.arrival <= step for r in waiting):4d}  pool: {st.in_use:5d} in use, "
+            print(f"\rstep {step:5d}  done {finished:4d}  running {len(engine.running):3d}  "
+                  f"waiting {len(engine.waiting):4d}  pool: {st.in_use:5d} in use, "
                   f"{st.cached:5d} cached, {st.free:5d} free  ETA {eta}", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
-    batch.release()
+    engine.close()
     pool.allocator.check()
+    for req in trace:
+        req.preempted = work[req.rid].preemptions
     return ServeReport(
-        steps=step, seconds=time.perf_counter() - t0, decode_seconds=decode_s,
-        generated=sum(len(r.generated) for r in finished), decode_tokens=decode_tokens,
-        preemptions=preemptions, rejected=rejected, peak_pages=pool.allocator.stats().peak_in_use,
-        prefix_hit_rate=prefix.stats().token_hit_rate if prefix else 0.0,
+        steps=step, seconds=time.perf_counter() - t0,
+        generated=sum(len(r.generated) for r in trace), preemptions=sum(r.preempted for r in trace),
+        rejected=rejected, peak_pages=pool.allocator.stats().peak_in_use,
+        prefix_hit_rate=engine.prefix.stats().token_hit_rate if engine.prefix else 0.0,
         usage=usage, live_tokens=live, reserved_pages=reserved,
     )
 
@@ -284,8 +202,7 @@ def main() -> None:
     trace = make_trace(args.requests, vocab, seed=args.seed, rate=args.rate)
     report = serve(model, pool, trace, max_batch=args.max_batch)
     print(f"requests: {args.requests}, engine steps: {report.steps}, wall {report.seconds:.1f} s")
-    print(f"throughput: {report.generated / report.seconds:.1f} generated tokens/s "
-          f"(decode steps alone: {report.decode_tokens / max(report.decode_seconds, 1e-9):.1f} tokens/s)")
+    print(f"throughput: {report.generated / report.seconds:.1f} generated tokens/s")
     print(f"prefix cache hit rate: {report.prefix_hit_rate:.1%} of prompt tokens")
     print(f"preemptions: {report.preemptions}")
     if report.rejected:

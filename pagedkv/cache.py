@@ -75,6 +75,10 @@ class LayerFace:
         self._fetched = (self._position(), [[weakref.ref(x) for x in p] for p in parts])
         return self.pool.kind.model_inputs(*parts)
 
+    def storage(self) -> list[mx.array]:
+        """The pool arrays this layer writes into (see ``PagePool.storage``)."""
+        return self.pool.storage(self.pool_layer)
+
     def _position(self) -> bytes:
         return self.rows.offsets[self.layer].tobytes() + self.rows.step_starts[self.layer].tobytes()
 

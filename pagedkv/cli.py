@@ -1,4 +1,4 @@
-"""The ``pagedkv`` command (``pagedkv demo [PROMPT] [options]``) and the argument types
+"""The ``pagedkv`` command (``pagedkv demo [PROMPT] [options]``, ``pagedkv serve [options]``) and the argument types
 the demo and the examples share, so a bad value is an argparse error, not a traceback."""
 
 from __future__ import annotations
@@ -40,8 +40,11 @@ def positive_float(text: str) -> float:
 
 USAGE = """usage: pagedkv demo [PROMPT] [--page-size N] [--kv-bits B] [--max-tokens N]
                     [--temperature T] [--seed N] [--pool-tokens N]
+       pagedkv serve [--model smollm2|tiny-random|PATH.gguf] [--host H] [--port P]
+                     [--pool-bytes N] [--page-size N] [--kv-bits B] [--max-batch N]
 
-  demo   SmolLM2-135M answering a chat prompt on a paged KV cache (pagedkv demo --help)"""
+  demo   SmolLM2-135M answering a chat prompt on a paged KV cache (pagedkv demo --help)
+  serve  an OpenAI-compatible server with continuous batching (pagedkv serve --help)"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,12 +52,15 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0
-    if not argv or argv[0] != "demo":
+    if not argv or argv[0] not in ("demo", "serve"):
         if argv:
             print(f"pagedkv: unknown command {argv[0]!r}", file=sys.stderr)
         print(USAGE, file=sys.stderr)
         return 2
-    from pagedkv.demo import build_parser, run
+    if argv[0] == "serve":
+        from pagedkv.serving.server import build_parser, run
+    else:
+        from pagedkv.demo import build_parser, run
 
     return run(build_parser().parse_args(argv[1:]))
 

@@ -30,6 +30,24 @@ class GenerationStats:
         return max(0, self.generated - 1) / self.decode_s if self.decode_s else 0.0
 
 
+def written_state(cache) -> list[mx.array]:
+    """The arrays that hold what a forward wrote into ``cache`` (a list of per-layer
+    caches): a pagedkv layer's pool storage, an mlx-lm cache's ``state``. Evaluating
+    them runs a prefill chunk up to the last layer's K/V, with no logits (as mlx-lm's
+    ``generate_step`` does)."""
+    out: list[mx.array] = []
+    for c in cache:
+        out.extend(c.storage() if hasattr(c, "storage") else c.state)
+    return out
+
+
+def prefill(model, cache, tokens: list[int], chunk: int = 512) -> None:
+    """Write ``tokens`` into ``cache`` in chunks of ``chunk`` tokens, computing no logits."""
+    for i in range(0, len(tokens), chunk):
+        model(mx.array(tokens[i : i + chunk])[None], cache=cache)
+        mx.eval(written_state(cache))
+
+
 def sample(logits: mx.array, temperature: float) -> mx.array:
     """Greedy for temperature 0, else a draw from softmax(logits / temperature)."""
     if temperature <= 0:
@@ -59,9 +77,7 @@ def generate(
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
     t = time.perf_counter()
-    for i in range(0, len(prompt) - 1, prefill_chunk):
-        chunk = prompt[i : min(i + prefill_chunk, len(prompt) - 1)]
-        mx.eval(model(mx.array(chunk)[None], cache=cache))
+    prefill(model, cache, prompt[:-1], prefill_chunk)
     logits = model(mx.array(prompt[-1:])[None], cache=cache)[0, -1]
     token = sample(logits, temperature)
     mx.eval(token)

@@ -17,6 +17,7 @@ What the mapping does:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -80,18 +81,39 @@ class LoadedModel:
     num_kv_heads: int
     head_dim: int
 
+    name: str = "model"  # what a server calls it
+
     def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
         """Token ids of the chat template applied to one user message (+ generation prompt)."""
-        from jinja2 import Template
-
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": user}
         ]
-        text = Template(self.chat_template).render(messages=messages, add_generation_prompt=True)
+        return self.chat_tokens(messages)
+
+    def chat_tokens(self, messages: list[dict]) -> list[int]:
+        """Token ids of the chat template applied to ``messages`` (dicts with "role" and
+        "content" strings), ending with the assistant's generation prompt."""
+        text = _template(self.chat_template).render(messages=messages, add_generation_prompt=True)
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; control tokens written in it (``<|im_start|>``) count."""
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    @property
+    def context_length(self) -> int:
+        return int(self.model.args.max_position_embeddings)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _template(source: str):
+    """A chat template, compiled once (compiling costs milliseconds per request)."""
+    from jinja2 import Template
+
+    return Template(source)
 
 
 def _meta_int(meta: dict, key: str) -> int:
@@ -172,14 +194,42 @@ def load_gguf_llama(path: str | os.PathLike, dtype: mx.Dtype | None = None) -> L
     if dtype is not None:
         _dequantize(model, dtype)
     mx.eval(model.parameters())
+    return _loaded(model, meta, Path(path).stem)
+
+
+def _loaded(model: nn.Module, meta: dict, name: str) -> LoadedModel:
+    """``model`` with the tokenizer, chat template and EOS ids of a GGUF's metadata."""
+    a = model.args
     eos = {_meta_int(meta, "tokenizer.ggml.eos_token_id")}
     tokens = meta["tokenizer.ggml.tokens"]
     eos |= {tokens.index(t) for t in ("<|im_end|>", "<|endoftext|>") if t in tokens}
     return LoadedModel(
         model=model, tokenizer=build_tokenizer(meta), chat_template=meta["tokenizer.chat_template"],
-        eos_token_ids=tuple(sorted(eos)), num_layers=layers, num_kv_heads=kv_heads,
-        head_dim=hidden // heads,
+        eos_token_ids=tuple(sorted(eos)), num_layers=a.num_hidden_layers,
+        num_kv_heads=a.num_key_value_heads, head_dim=a.hidden_size // a.num_attention_heads,
+        name=name,
     )
+
+
+def tiny_random_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2) -> LoadedModel:
+    """A llama with random weights (hidden 64, 4 query / 2 KV heads of 16, float32) and the
+    tokenizer, chat template and vocabulary of the GGUF at ``path``: fast enough to test
+    or benchmark serving machinery on a CPU, with real text in and out (its answers are
+    noise). ``name`` is "tiny-random"."""
+    _require("mlx_lm")
+    from mlx_lm.models import llama
+
+    _, meta = mx.load(str(path), return_metadata=True)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        vocab_size=_meta_int(meta, "llama.vocab_size"), rope_theta=10000.0,
+        tie_word_embeddings=True, max_position_embeddings=_meta_int(meta, "llama.context_length"),
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return _loaded(model, meta, "tiny-random")
 
 
 def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:

@@ -289,6 +289,13 @@ class PagePool:
         reference turns the next write of this layer into a copy of the whole layer)."""
         return self._k[layer][0], self._v[layer][0]
 
+    def storage(self, layer: int) -> list[mx.array]:
+        """Every array holding ``layer``'s pages (K's codec components, then V's).
+        Evaluating them settles the layer's pending writes and nothing downstream (a
+        prefill chunk then computes K/V but no logits). Do not keep them (see
+        ``layer_arrays``)."""
+        return self._k[layer] + self._v[layer]
+
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages ``src`` onto pages ``dst`` in every layer (copy-on-write).
 

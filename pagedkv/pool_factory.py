@@ -17,8 +17,10 @@ def kv_dtype(model) -> mx.Dtype:
     return cache[0].keys.dtype
 
 
-def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, kv_bits: int | None = None) -> PagePool:
-    """A pool for ``lm`` (a ``LoadedModel``) holding ``tokens`` tokens per layer.
+def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, max_bytes: int | None = None,
+             kv_bits: int | None = None) -> PagePool:
+    """A pool for ``lm`` (a ``LoadedModel``) holding ``tokens`` tokens per layer, or as
+    many pages as ``max_bytes`` (K + V of all layers) holds when it is given.
 
     ``kv_bits`` stores K and V quantised with scales in the model's dtype (as mlx-lm's
     ``QuantizedKVCache``, so a bf16 model's quantised step stays bf16): 8 bits plain affine (group
@@ -26,9 +28,9 @@ def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, kv_bits: int | None
     (group 32), which measured 2.6x lower KL than plain affine at 4 bits on SmolLM2
     (bench/RESULTS.md).
     """
-    num_pages = -(-tokens // page_size) + 1  # + the null page
+    size = dict(max_bytes=max_bytes) if max_bytes is not None else dict(num_pages=-(-tokens // page_size) + 1)
     common = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                  page_size=page_size, num_pages=num_pages, dtype=kv_dtype(lm.model))
+                  page_size=page_size, dtype=kv_dtype(lm.model), **size)  # (+ 1: the null page)
     if kv_bits is None:
         return PagePool(**common)
     if kv_bits >= 8:

@@ -1,0 +1,441 @@
+"""``Engine``: continuous batching of generation requests over one ``PagedBatch``.
+
+One engine serves one model from one ``PagePool``. It is synchronous and not thread-safe:
+whoever calls ``step`` owns it and every MLX array it touches (a server runs it on one
+owner thread, see :mod:`pagedkv.serving.engine_thread`; a script may call ``step`` in a
+loop). Each ``step``:
+
+1. retires finished and aborted rows (their full pages are registered in the
+   ``PrefixCache``, then released: they stay CACHED until the room is needed);
+2. spends the step's prefill budget (``prefill_budget`` tokens): first on prompts being
+   prefilled, then on waiting requests, admitted first come, first served while
+   ``can_admit`` says their pages fit. Each is prefilled alone in its own cache from its
+   longest cached prefix, over as many steps as its prompt needs (chunked prefill);
+   then it samples its first token and joins the batch with no K/V copy
+   (``PagedBatch.extend``);
+3. decodes one token for every running row in one batched forward. If the pool runs
+   out, the newest row is preempted (its pages registered and released, the request
+   back at the head of the queue, every token it already emitted kept) and the step is
+   retried;
+4. retires the rows that just finished.
+
+A request hands the engine a ``sink``: a callable that receives one ``Delta`` per
+generated token (its text, held back at multi-byte characters and stop-string
+prefixes) and a last ``Delta`` with the finish reason and usage. Sinks are called on
+the owner thread and must not block.
+
+Admission refuses, with ``RequestTooLarge`` and before any prefill, a request whose
+prompt plus ``max_tokens`` can never fit in the whole pool (or the model's context), so
+every admitted request can finish even alone, and a queue never stalls.
+
+Costs per step: O(B) Python for B running rows plus the model's forward; admission
+O(pages matched) per waiting request looked at.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable, Iterable
+
+import attrs
+import mlx.core as mx
+
+from pagedkv.batch import PagedBatch
+from pagedkv.cache import PagedPromptCache, make_paged_cache
+from pagedkv.errors import InvalidTypeError, InvalidValueError, PoolExhausted
+from pagedkv.generation import prefill
+from pagedkv.pool import PagePool
+from pagedkv.prefix import PrefixCache
+from pagedkv.prefix_keys import PrefixKeys
+from pagedkv.scheduling import can_admit
+from pagedkv.serving.metrics import ServingMetrics
+from pagedkv.serving.sampling import SamplingParams, sample_rows
+from pagedkv.serving.text_stream import TextStream
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class RequestTooLarge(InvalidValueError):
+    """A request whose prompt plus ``max_tokens`` can never fit (pool or context)."""
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int  # prompt tokens served by the prefix cache at first admission
+
+
+@attrs.frozen
+class Delta:
+    """What a request's sink receives: new text and ids, and on the last one the finish
+    reason (one of ``FINISH_REASONS``) with the usage (and a message for "error")."""
+
+    rid: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+@attrs.frozen
+class EngineLimits:
+    """What one request may ask for; plain ints, safe to read from any thread."""
+
+    max_model_len: int  # prompt + max_tokens, from the model's context
+    max_pool_tokens: int  # prompt + max_tokens the whole pool can hold
+    vocab_size: int
+
+    @property
+    def max_request_tokens(self) -> int:
+        return min(self.max_model_len, self.max_pool_tokens)
+
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        """``RequestTooLarge`` unless ``prompt_tokens + max_tokens`` can ever be served."""
+        total = prompt_tokens + max_tokens
+        if total > self.max_model_len:
+            raise RequestTooLarge(
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
+                f"more than the model's context of {self.max_model_len}")
+        if total > self.max_pool_tokens:
+            raise RequestTooLarge(
+                f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {total} tokens, "
+                f"more than the whole KV pool holds ({self.max_pool_tokens}); it could never finish")
+
+
+@attrs.define(eq=False)
+class _Prefill:
+    """A request being prefilled: its own cache and the tokens still to run."""
+
+    req: GenerationRequest
+    cache: PagedPromptCache
+    rest: list[int]  # (the last one is run alone, for the first token's logits)
+
+
+@attrs.define(eq=False)
+class GenerationRequest:
+    """One request, owned by the engine from ``add`` until its last ``Delta``."""
+
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    sink: Callable[[Delta], None]
+    arrival: float = attrs.field(factory=time.perf_counter)
+    # engine state
+    generated: list[int] = attrs.field(factory=list)
+    keys: PrefixKeys | None = None
+    stream: TextStream | None = None
+    cached_tokens: int | None = None  # set at first admission
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.generated
+
+
+class Engine:
+    def __init__(
+        self,
+        model,
+        pool: PagePool,
+        *,
+        decode: Callable[[list[int]], str],
+        eos_token_ids: Iterable[int] = (),
+        max_model_len: int | None = None,
+        max_batch: int = 32,
+        prefix_caching: bool = True,
+        prefill_chunk: int = 512,
+        prefill_budget: int = 512,
+        watermark: float = 0.01,
+        metrics: ServingMetrics | None = None,
+    ) -> None:
+        """``decode`` turns token ids into text (special tokens skipped).
+        ``prefill_budget``: prompt tokens prefilled per step (chunked prefill: a longer
+        prompt is spread over several steps, with the running rows decoding between
+        them, so a long prompt cannot stall everyone's next token).
+        ``prefill_chunk``: the most tokens in one forward."""
+        self.model = model
+        self.pool = pool
+        self.batch = PagedBatch.for_model(model, pool)
+        self.prefix = PrefixCache(pool) if prefix_caching else None
+        self.decode = decode
+        self.eos = frozenset(eos_token_ids)
+        vocab = int(model.args.vocab_size)
+        ctx = max_model_len or int(getattr(model.args, "max_position_embeddings", None) or 1 << 30)
+        self.limits = EngineLimits(ctx, (pool.usable_pages) * pool.page_size, vocab)
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget
+        self.watermark = watermark
+        self.metrics = metrics if metrics is not None else ServingMetrics()
+        self.waiting: deque[GenerationRequest] = deque()
+        self.prefilling: list[_Prefill] = []  # admitted, prompt not all in yet (own caches)
+        self.running: list[GenerationRequest] = []  # rows of the batch, in order
+        self._pending: list[int] = []  # the next input token of each running row
+        self._ids: dict[str, GenerationRequest] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests in / out
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running)
+
+    def add(self, req: GenerationRequest) -> None:
+        """Queue ``req``. Typed errors (and nothing queued) for a bad or duplicate request
+        or one that can never fit (``RequestTooLarge``)."""
+        if self._closed:
+            raise InvalidValueError("the engine is closed")
+        if not isinstance(req, GenerationRequest):
+            raise InvalidTypeError(f"add takes a GenerationRequest, got {type(req).__name__}")
+        if req.rid in self._ids:
+            raise InvalidValueError(f"request id {req.rid!r} is already in the engine")
+        if req.generated or req.finish_reason is not None:
+            raise InvalidValueError("a request can be added once, before it has run")
+        if not isinstance(req.params, SamplingParams):
+            raise InvalidTypeError(f"params must be SamplingParams, got {type(req.params).__name__}")
+        if not isinstance(req.prompt, list) or not req.prompt:
+            raise InvalidValueError("the prompt must be a non-empty list of token ids")
+        vocab = self.limits.vocab_size
+        if any(t.__class__ is not int or not 0 <= t < vocab for t in req.prompt):
+            raise InvalidValueError(f"prompt token ids must be ints in [0, {vocab})")
+        self.limits.check(len(req.prompt), req.params.max_tokens)
+        req.stream = TextStream(self.decode, req.params.stop)
+        self._ids[req.rid] = req
+        self.waiting.append(req)
+        self._update_gauges()
+
+    def abort(self, rid: str) -> bool:
+        """End request ``rid`` now (a client went away): its last ``Delta`` says "abort".
+        A waiting request leaves the queue; a running row leaves the batch (its pages
+        released) at the start of the next step. Returns whether it was still running
+        or waiting."""
+        req = self._ids.get(rid)
+        if req is None or req.finish_reason is not None:
+            return False
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self._finish(req, "abort", "")
+        return True
+
+    def close(self) -> None:
+        """Abort everything and give every page back."""
+        for req in list(self._ids.values()):
+            self.abort(req.rid)
+        self._retire()
+        self.batch.release()
+        self._closed = True
+        self._update_gauges()
+
+    def fail_all(self, message: str) -> None:
+        """After an unexpected error in a step: end every request with "error" and start
+        from an empty batch (the pages of every row are released)."""
+        for req in list(self._ids.values()):
+            if req.finish_reason is None:
+                req.finish_reason = "error"
+                self.metrics.finished(req, "error")
+                self._deliver(req, Delta(req.rid, "", (), "error", self._usage(req), message))
+        for job in list(self.prefilling):
+            self.prefilling.remove(job)
+            job.cache.release()
+        self.waiting.clear()
+        self.running.clear()
+        self._pending.clear()
+        self._ids.clear()
+        self.batch.release()
+        self.batch = PagedBatch.for_model(self.model, self.pool)
+        self._update_gauges()
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> None:
+        """One engine step (see the module doc)."""
+        self._retire()
+        self._admit()
+        self._retire()  # (a request may end at its first token)
+        if self.running:
+            self._decode_step()
+        self._retire()
+        self._update_gauges()
+
+    def _keys(self, req: GenerationRequest) -> PrefixKeys:
+        """The request's prefix keys, brought up to its tokens (each page cut once)."""
+        n = len(req.prompt) + len(req.generated)
+        if req.keys is None:
+            req.keys = self.prefix.keys(req.tokens)
+        elif req.keys.num_tokens < n:
+            req.keys.extend(req.tokens[req.keys.num_tokens :])
+        return req.keys
+
+    def _admit(self) -> None:
+        """Spend this step's prefill budget: first on the prompts already being prefilled,
+        then on waiting requests, first come first served, while their pages fit."""
+        budget = self.prefill_budget
+        for job in list(self.prefilling):
+            budget = self._advance(job, budget)
+            if budget <= 0:
+                return
+        ps = self.pool.page_size
+        while self.waiting and budget > 0 and len(self.running) + len(self.prefilling) < self.max_batch:
+            req = self.waiting[0]
+            n = len(req.prompt) + len(req.generated)
+            cached = len(self.prefix.match(self._keys(req))) * ps if self.prefix else 0
+            if self.running or self.prefilling:
+                lookahead = min(req.params.max_tokens - len(req.generated), 16)
+                if not can_admit(self.pool, n, lookahead, cached_tokens=cached, watermark=self.watermark):
+                    break
+            self.waiting.popleft()
+            budget = self._advance(self._start(req), budget)
+
+    def _start(self, req: GenerationRequest) -> _Prefill:
+        """A cache for ``req`` holding its longest cached prefix; the rest is to prefill."""
+        if self.prefix is not None:
+            cache, rest = self.prefix.new_cache(self.model, self._keys(req))
+        else:
+            cache, rest = make_paged_cache(self.model, self.pool), req.tokens
+        if req.cached_tokens is None:  # first admission (a preempted request has tokens)
+            req.cached_tokens = len(req.prompt) - len(rest) if not req.generated else 0
+            self.metrics.prefix_queried(len(req.prompt), req.cached_tokens)
+        job = _Prefill(req, cache, rest)
+        self.prefilling.append(job)
+        return job
+
+    def _advance(self, job: _Prefill, budget: int) -> int:
+        """Prefill up to ``budget`` more tokens of ``job`` (chunks of ``prefill_chunk``);
+        when all are in, it samples the first token and joins the batch. Returns the
+        budget left. If the pool runs out, the pages computed so far are registered, the
+        rest released, and the request waits at the head of the queue."""
+        req, cache = job.req, job.cache
+        resumed = bool(req.generated)  # preempted: its last token is emitted, not written
+        try:
+            while len(job.rest) > 1 and budget > 0:
+                take = min(len(job.rest) - 1, budget, self.prefill_chunk)
+                prefill(self.model, cache, job.rest[:take], take)
+                job.rest = job.rest[take:]
+                budget -= take
+                if self.prefix is not None:  # its computed pages serve requests admitted now
+                    self.prefix.register(cache, self._keys(req))
+            if len(job.rest) > 1 or (budget <= 0 and not resumed):
+                return budget
+            if not resumed:
+                logits = self.model(mx.array(job.rest)[None], cache=cache)[:, -1]
+                token = int(sample_rows(logits, [req.params]).item())
+                budget -= 1
+        except PoolExhausted:
+            self._drop_prefill(job)
+            self.waiting.appendleft(req)
+            return 0
+        except BaseException:
+            self._drop_prefill(job)
+            raise
+        self.prefilling.remove(job)
+        if self.prefix is not None:
+            self.prefix.register(cache, self._keys(req))  # its prompt pages serve the next ones
+        self.batch.extend(cache)
+        self.running.append(req)
+        self._pending.append(req.generated[-1] if resumed else token)
+        if not resumed:
+            self._emit(req, token)
+        return budget
+
+    def _drop_prefill(self, job: _Prefill) -> None:
+        """Stop prefilling ``job``: its full pages stay findable, the rest go back."""
+        self.prefilling.remove(job)
+        if self.prefix is not None and not job.cache.released:
+            self.prefix.register(job.cache, self._keys(job.req))
+        job.cache.release()
+
+    def _decode_step(self) -> None:
+        while self.running:
+            try:
+                logits = self.model(mx.array(self._pending)[:, None], cache=self.batch.caches)[:, -1]
+                tokens = sample_rows(logits, [r.params for r in self.running]).tolist()
+                break
+            except PoolExhausted:
+                self._preempt_newest()
+        else:
+            return
+        for i, (req, tok) in enumerate(zip(self.running, tokens)):
+            self._pending[i] = tok
+            self._emit(req, tok)
+
+    def _preempt_newest(self) -> None:
+        row = len(self.running) - 1
+        req = self.running.pop()
+        self._pending.pop()
+        cache = self.batch.extract(row)
+        if self.prefix is not None:
+            self.prefix.register(cache, self._keys(req))
+        cache.release()
+        req.preemptions += 1
+        self.metrics.preempted()
+        self.waiting.appendleft(req)
+
+    def _emit(self, req: GenerationRequest, token: int) -> None:
+        req.generated.append(token)
+        now = time.perf_counter()
+        if req.first_token_at is None:
+            req.first_token_at = now
+            self.metrics.first_token(now - req.arrival)
+        else:
+            self.metrics.next_token(now - req.last_token_at)
+        req.last_token_at = now
+        if token in self.eos:
+            self._finish(req, "stop", req.stream.finish(), (token,))
+            return
+        text = req.stream.push(token)
+        if req.stream.stopped:
+            self._finish(req, "stop", text, (token,))
+        elif len(req.generated) >= req.params.max_tokens:
+            self._finish(req, "length", text + req.stream.finish(), (token,))
+        else:
+            self._deliver(req, Delta(req.rid, text, (token,)))
+
+    def _finish(self, req: GenerationRequest, reason: str, text: str, ids: tuple[int, ...] = ()) -> None:
+        """The request's last delta. A running row stays in the batch until ``_retire``."""
+        req.finish_reason = reason
+        if req not in self.running:
+            self._ids.pop(req.rid, None)
+        self.metrics.finished(req, reason)
+        self._deliver(req, Delta(req.rid, text, ids, reason, self._usage(req)))
+
+    def _usage(self, req: GenerationRequest) -> Usage:
+        return Usage(len(req.prompt), len(req.generated), req.cached_tokens or 0)
+
+    def _deliver(self, req: GenerationRequest, delta: Delta) -> None:
+        try:
+            req.sink(delta)
+        except Exception:  # a sink that fails has lost its client: stop generating for it
+            if req.finish_reason is None:
+                req.finish_reason = "abort"
+                self.metrics.finished(req, "abort")
+                if req in self.waiting:
+                    self.waiting.remove(req)
+                if req not in self.running:
+                    self._ids.pop(req.rid, None)
+
+    def _retire(self) -> None:
+        """Rows and prefills whose request ended leave; their full pages are registered."""
+        for job in [j for j in self.prefilling if j.req.finish_reason is not None]:
+            self._drop_prefill(job)
+            self._ids.pop(job.req.rid, None)
+        done = [i for i, r in enumerate(self.running) if r.finish_reason is not None]
+        if not done:
+            return
+        tables = self.batch.tables()
+        for i in done:
+            req = self.running[i]
+            if self.prefix is not None:
+                self.prefix.register(tables[i], self._keys(req))
+            self._ids.pop(req.rid, None)
+        keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
+        self.batch.filter(keep)
+        self.running = [self.running[i] for i in keep]
+        self._pending = [self._pending[i] for i in keep]
+
+    def _update_gauges(self) -> None:
+        self.metrics.scheduler(len(self.running), len(self.waiting), self.pool.allocator.stats(),
+                               self.pool.usable_pages, self.pool.bytes_per_page)

@@ -1,0 +1,101 @@
+"""``EngineThread``: an ``Engine`` on its own thread, the one thread that touches MLX.
+
+MLX streams are thread-local, so the model, the pool and every array live on the
+owner thread: ``build`` (which loads the model and makes the engine) runs there, and so
+does every step. Other threads (HTTP handlers) only talk to it through a command
+queue: ``submit`` a request, ``abort`` one, ``stop``. Commands are applied between
+steps, so an abort takes effect before the next step and the aborted row's pages go
+back at once. When nothing is queued or running the thread sleeps on the queue.
+
+If a step raises, every request in flight ends with finish reason "error", all pages
+are released and the thread keeps serving (``errors`` counts such steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import traceback
+from typing import Callable
+
+from pagedkv.serving.engine import Delta, Engine, GenerationRequest
+
+log = logging.getLogger("pagedkv.serve")
+
+_STOP = object()
+
+
+class EngineThread:
+    def __init__(self, build: Callable[[], Engine]) -> None:
+        self._build = build
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
+        self.engine: Engine | None = None
+        self.build_error: BaseException | None = None
+        self.errors = 0
+
+    def start(self, timeout: float | None = None) -> Engine:
+        """Start the thread and wait until ``build`` returned; re-raises its error."""
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError("the engine did not start in time")
+        if self.build_error is not None:
+            raise self.build_error
+        return self.engine
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.engine is not None
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Queue ``req``; a request the engine refuses gets a last ``Delta`` with
+        finish reason "error" and the message."""
+        self._commands.put(("add", req))
+
+    def abort(self, rid: str) -> None:
+        self._commands.put(("abort", rid))
+
+    def stop(self, timeout: float | None = 30) -> None:
+        """Abort everything, release every page and end the thread."""
+        if self._thread.is_alive():
+            self._commands.put(_STOP)
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self.engine = engine = self._build()
+        except BaseException as e:  # handed to start()
+            self.build_error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        while True:
+            commands = [self._commands.get()] if not engine.has_work else []
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if cmd is _STOP:
+                    engine.close()
+                    return
+                kind, arg = cmd
+                if kind == "add":
+                    try:
+                        engine.add(arg)
+                    except Exception as e:
+                        arg.sink(Delta(arg.rid, "", (), "error", None, str(e)))
+                else:
+                    engine.abort(arg)
+            if not engine.has_work:
+                continue
+            try:
+                engine.step()
+            except Exception:
+                self.errors += 1
+                message = traceback.format_exc()
+                log.error("engine step failed; ending every request in flight:\n%s", message)
+                engine.fail_all(message.strip().splitlines()[-1])

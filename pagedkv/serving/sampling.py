@@ -1,0 +1,85 @@
+"""``SamplingParams`` (what one request asks for) and ``sample_rows`` (one token per row
+of a batch's logits, each row with its own temperature and top-p).
+
+Greedy (temperature 0) rows take the argmax, so a greedy request gives the same tokens
+alone or in any batch, up to float rounding of the logits themselves.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import mlx.core as mx
+
+from pagedkv.errors import InvalidTypeError, InvalidValueError
+
+MAX_STOP_STRINGS = 4  # as OpenAI's API
+
+
+def _max_tokens(_inst, _attr, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"max_tokens must be an integer, got {value!r}")
+    if value < 1:
+        raise InvalidValueError(f"max_tokens must be at least 1, got {value}")
+
+
+def _number(lo: float, hi: float, *, lo_open: bool = False):
+    def check(_inst, attr, value) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidTypeError(f"{attr.name} must be a number, got {value!r}")
+        if not (lo < value if lo_open else lo <= value) or not value <= hi:
+            bound = "(" if lo_open else "["
+            raise InvalidValueError(f"{attr.name} must be in {bound}{lo}, {hi}], got {value}")
+
+    return check
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(s, str) for s in value):
+        raise InvalidTypeError(f"stop must be a string or a list of strings, got {value!r}")
+    if len(value) > MAX_STOP_STRINGS or any(not s for s in value):
+        raise InvalidValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings, got {value!r}")
+    return tuple(value)
+
+
+@attrs.frozen
+class SamplingParams:
+    """How one request is decoded. Validated on construction (typed errors)."""
+
+    max_tokens: int = attrs.field(validator=_max_tokens)
+    temperature: float = attrs.field(default=0.0, validator=_number(0.0, 2.0))
+    top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, lo_open=True))
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sample_rows(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """One token id per row of ``logits`` [B, V] (uint32 [B]), row b drawn per ``params[b]``.
+
+    Greedy rows: argmax. Other rows: softmax(logits / temperature), restricted to the
+    smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling).
+    O(B·V), plus a sort of each sampled row when any row has top_p < 1."""
+    greedy = mx.argmax(logits, axis=-1)
+    if all(p.greedy for p in params):
+        return greedy
+    temps = mx.array([p.temperature if not p.greedy else 1.0 for p in params], dtype=mx.float32)
+    scaled = logits.astype(mx.float32) / temps[:, None]
+    if any(p.top_p < 1.0 for p in params):
+        top_p = mx.array([p.top_p for p in params], dtype=mx.float32)
+        order = mx.argsort(-scaled, axis=-1)
+        sorted_logits = mx.take_along_axis(scaled, order, axis=-1)
+        probs = mx.softmax(sorted_logits, axis=-1)
+        before = mx.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
+        sorted_logits = mx.where(before < top_p[:, None], sorted_logits, -mx.inf)
+        scaled = mx.put_along_axis(scaled, order, sorted_logits, axis=-1)
+    drawn = mx.random.categorical(scaled)
+    is_greedy = mx.array([p.greedy for p in params])
+    return mx.where(is_greedy, greedy, drawn.astype(greedy.dtype))

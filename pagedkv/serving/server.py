@@ -1,0 +1,107 @@
+"""``pagedkv serve``: an OpenAI-compatible HTTP server on pagedkv's engine.
+
+    pagedkv serve [--model smollm2|tiny-random|PATH.gguf] [--host 127.0.0.1] [--port 8080]
+                  [--pool-bytes N] [--page-size 16] [--kv-bits B] [--max-batch N]
+                  [--prefill-budget N] [--max-tokens N] [--no-prefix-caching]
+
+The model, the pool and the engine are built on the engine's own thread (MLX streams
+are thread-local); uvicorn serves the Starlette app on the main thread's event loop.
+Ctrl-C (or SIGTERM) stops accepting, aborts what is in flight and releases every page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedkv.cli import int_at_least, positive_int
+
+DEFAULT_POOL_BYTES = 256 << 20
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="pagedkv serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 (SmolLM2-135M-Instruct, the default), tiny-random (random weights "
+                         "with SmolLM2's tokenizer, for testing the serving path) or a llama GGUF path")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int_at_least(0), default=8080, help="0 picks a free port")
+    ap.add_argument("--pool-bytes", type=int_at_least(1), default=DEFAULT_POOL_BYTES,
+                    help=f"KV pool size in bytes, K + V of all layers (default {DEFAULT_POOL_BYTES >> 20} MiB)")
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV page")
+    ap.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 8], default=None,
+                    help="quantised K/V pages (8: affine; fewer: TurboQuant-style rotated)")
+    ap.add_argument("--max-batch", type=positive_int, default=32, help="most requests decoded together")
+    ap.add_argument("--prefill-budget", type=positive_int, default=512,
+                    help="prompt tokens prefilled per engine step; a longer prompt is spread over "
+                         "several steps while the running requests keep decoding (chunked prefill)")
+    ap.add_argument("--max-tokens", type=positive_int, default=None,
+                    help="max_tokens of a request that gives none (default: what its context allows)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return ap
+
+
+def load_model(spec: str):
+    """A ``LoadedModel`` for ``--model``; its ``name`` is what clients send as "model"."""
+    import attrs
+
+    from pagedkv.gguf_model import load_gguf_llama, smollm2_path, tiny_random_llama
+
+    if spec == "smollm2":
+        return attrs.evolve(load_gguf_llama(smollm2_path(install=True)), name="smollm2")
+    if spec == "tiny-random":
+        return tiny_random_llama(smollm2_path(install=True))
+    return load_gguf_llama(spec)
+
+
+def build_engine(args: argparse.Namespace, loaded: list):
+    """Load the model and make the engine (runs on the engine thread)."""
+    from pagedkv.pool_factory import pool_for
+    from pagedkv.serving.engine import Engine
+    from pagedkv.serving.metrics import ServingMetrics
+
+    lm = load_model(args.model)
+    loaded.append(lm)
+    pool = pool_for(lm, page_size=args.page_size, max_bytes=args.pool_bytes, kv_bits=args.kv_bits)
+    return Engine(lm.model, pool, decode=lm.decode, eos_token_ids=lm.eos_token_ids,
+                  max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching,
+                  prefill_budget=args.prefill_budget, prefill_chunk=min(512, args.prefill_budget),
+                  metrics=ServingMetrics(lm.name))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedkv.serving.app import create_app
+    from pagedkv.serving.engine_thread import EngineThread
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    loaded: list = []
+    thread = EngineThread(lambda: build_engine(args, loaded))
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    engine = thread.start()
+    lm = loaded[0]
+    pool = engine.pool
+    print(f"model '{lm.name}': {lm.num_layers} layers, {lm.num_kv_heads} KV heads, head_dim {lm.head_dim}; "
+          f"KV pool {pool.usable_pages} pages of {pool.page_size} tokens ({pool.nbytes / 2**20:.1f} MiB, "
+          f"K {pool.k_codec.label()}, V {pool.v_codec.label()})", file=sys.stderr, flush=True)
+    app = create_app(thread, lm, default_max_tokens=args.max_tokens, on_shutdown=lambda: stop(thread))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run()  # (re-raises SIGINT/SIGTERM after shutting down)
+    finally:
+        stop(thread)
+    return 0
+
+
+def stop(thread) -> None:
+    """Abort what is in flight, release every page and say so (once)."""
+    if not thread.alive:
+        return
+    thread.stop()
+    stats = thread.engine.pool.allocator.stats()
+    print(f"engine stopped: {stats.in_use} KV pages in use, {stats.cached} cached, {stats.free} free",
+          file=sys.stderr, flush=True)

@@ -1,0 +1,309 @@
+"""The serving engine without HTTP: continuous batching equals solo decoding on mlx-lm's
+own KVCache (with preemption and prefix hits), bad requests change nothing, aborts and
+failing sinks free pages, a failing step ends only the requests in flight; and the
+pieces: ``TextStream`` (incremental text, stop strings) and ``sample_rows``."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import VOCAB, kv_dims, make_model
+
+from pagedkv import InvalidTypeError, InvalidValueError, PagePool
+from pagedkv.generation import generate
+from pagedkv.serving import (
+    Delta,
+    Engine,
+    GenerationRequest,
+    RequestTooLarge,
+    SamplingParams,
+    TextStream,
+    sample_rows,
+)
+from pagedkv.serving.engine_thread import EngineThread
+
+
+def letters(ids) -> str:
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama")
+
+
+def make_engine(model, num_pages=40, page_size=4, **kw) -> Engine:
+    L, H, D = kv_dims("llama")
+    pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=page_size, num_pages=num_pages,
+                    dtype=mx.float32)
+    return Engine(model, pool, decode=letters, **kw)
+
+
+class Sink:
+    def __init__(self):
+        self.deltas: dict[str, list[Delta]] = {}
+
+    def __call__(self, d: Delta) -> None:
+        self.deltas.setdefault(d.rid, []).append(d)
+
+    def ids(self, rid):
+        return [t for d in self.deltas[rid] for t in d.token_ids]
+
+    def last(self, rid) -> Delta:
+        return self.deltas[rid][-1]
+
+
+def run(engine: Engine) -> int:
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    return steps
+
+
+def solo(model, prompt, n, eos=()):
+    return list(generate(model, make_prompt_cache(model), prompt, max_tokens=n, eos_ids=eos))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(model, prefix_caching):
+    engine = make_engine(model, num_pages=40, max_batch=8, prefix_caching=prefix_caching)
+    sink, rng = Sink(), random.Random(0)
+    shared = [rng.randrange(VOCAB) for _ in range(9)]
+    reqs, work = [], []
+    for i in range(12):
+        prompt = (shared if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 25))]
+        reqs.append((f"r{i}", prompt, rng.randrange(1, 24)))
+        work.append(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=reqs[-1][2]), sink))
+        engine.add(work[-1])
+    run(engine)
+    assert sum(w.preemptions for w in work) > 0  # 40 pages of 4 tokens are too few at once
+    for rid, prompt, n in reqs:
+        assert sink.ids(rid) == solo(model, prompt, n), rid
+        last = sink.last(rid)
+        assert last.finish_reason == "length" and last.usage.completion_tokens == n
+        assert "".join(d.text for d in sink.deltas[rid]) == letters(solo(model, prompt, n))
+    st = engine.pool.allocator.stats()
+    assert st.in_use == 0 and engine.batch.size == 0
+    engine.pool.allocator.check()
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(model):
+    engine, sink = make_engine(model), Sink()
+    prompt = list(range(1, 30))
+    engine.add(GenerationRequest("a", prompt, SamplingParams(max_tokens=3), sink))
+    run(engine)
+    engine.add(GenerationRequest("b", prompt + [5, 6], SamplingParams(max_tokens=3), sink))
+    run(engine)
+    assert sink.last("a").usage.cached_tokens == 0
+    assert sink.last("b").usage.cached_tokens == 28  # 7 full pages of 4; the last token is computed
+    assert sink.ids("b") == solo(model, prompt + [5, 6], 3)
+
+
+def test_eos_and_stop_strings_finish_with_stop(model):
+    def first_new(ref):  # a token that first comes after the first one, if any
+        return next((i for i in range(1, len(ref)) if ref[i] not in ref[:i]), None)
+
+    prompt, ref, k = next((p, r, first_new(r)) for p in ([s, 7 * s % VOCAB, 5] for s in range(VOCAB))
+                          for r in [solo(model, p, 8)] if first_new(r) and len(set(r)) > 2)
+    engine, sink = make_engine(model, eos_token_ids=[ref[k]]), Sink()
+    engine.add(GenerationRequest("eos", prompt, SamplingParams(max_tokens=8), sink))
+    stop = letters(ref[3:5])
+    engine2, sink2 = make_engine(model), Sink()
+    engine2.add(GenerationRequest("stop", prompt, SamplingParams(max_tokens=8, stop=[stop]), sink2))
+    run(engine), run(engine2)
+    assert sink.ids("eos") == ref[: k + 1] and sink.last("eos").finish_reason == "stop"
+    text = "".join(d.text for d in sink2.deltas["stop"])
+    full = letters(ref)
+    assert text == full[: full.index(stop)] and sink2.last("stop").finish_reason == "stop"
+    assert engine.pool.allocator.stats().in_use == engine2.pool.allocator.stats().in_use == 0
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(rid="x", prompt=[]), InvalidValueError),
+    (dict(rid="x", prompt=[1, VOCAB]), InvalidValueError),
+    (dict(rid="x", prompt=[1, -1]), InvalidValueError),
+    (dict(rid="x", prompt=[1, 2.0]), InvalidValueError),
+    (dict(rid="x", prompt=(1, 2)), InvalidValueError),
+    (dict(rid="x", prompt=[1] * 100, max_tokens=100), RequestTooLarge),
+    (dict(rid="dup", prompt=[1, 2]), InvalidValueError),
+])
+def test_a_bad_request_is_refused_with_a_typed_error_and_changes_nothing(model, bad, error):
+    engine, sink = make_engine(model, num_pages=40), Sink()
+    engine.add(GenerationRequest("dup", [1, 2, 3], SamplingParams(max_tokens=2), sink))
+    before = (list(engine.waiting), engine.pool.allocator.stats())
+    with pytest.raises(error):
+        engine.add(GenerationRequest(bad["rid"], bad["prompt"], SamplingParams(max_tokens=bad.get("max_tokens", 2)), sink))
+    assert (list(engine.waiting), engine.pool.allocator.stats()) == before
+    run(engine)
+    assert sink.ids("dup") == solo(model, [1, 2, 3], 2)
+
+
+def test_request_too_large_names_the_pool_or_the_context(model):
+    engine = make_engine(model, num_pages=10, max_model_len=30)  # 9 pages of 4 = 36 tokens
+    with pytest.raises(RequestTooLarge, match="context of 30"):
+        engine.limits.check(20, 11)
+    engine = make_engine(model, num_pages=10)
+    with pytest.raises(RequestTooLarge, match="whole KV pool holds .36."):
+        engine.limits.check(20, 17)
+    engine.limits.check(20, 16)
+
+
+def test_abort_of_a_running_or_waiting_request_frees_its_pages_by_the_next_step(model):
+    engine, sink = make_engine(model, max_batch=1), Sink()
+    engine.add(GenerationRequest("run", list(range(20)), SamplingParams(max_tokens=30), sink))
+    engine.add(GenerationRequest("wait", list(range(20)), SamplingParams(max_tokens=30), sink))
+    engine.step()
+    assert engine.pool.allocator.stats().in_use > 0 and len(engine.waiting) == 1
+    assert engine.abort("wait") and engine.abort("run")
+    assert not engine.abort("run") and not engine.abort("never")
+    assert sink.last("run").finish_reason == sink.last("wait").finish_reason == "abort"
+    engine.step()
+    assert engine.pool.allocator.stats().in_use == 0 and not engine.has_work
+
+
+def test_a_long_prompt_is_prefilled_over_several_steps_while_running_rows_decode(model):
+    engine, sink = make_engine(model, prefill_budget=8, prefill_chunk=4), Sink()
+    engine.add(GenerationRequest("short", [1, 2, 3], SamplingParams(max_tokens=12), sink))
+    engine.step()
+    long_prompt = [(7 * i) % VOCAB for i in range(41)]
+    engine.add(GenerationRequest("long", long_prompt, SamplingParams(max_tokens=3), sink))
+    steps_to_first = 0
+    while "long" not in sink.deltas:
+        before = len(sink.ids("short"))
+        engine.step()
+        steps_to_first += 1
+        assert len(sink.ids("short")) == before + 1  # the running row got its token every step
+    assert steps_to_first == 6  # 41 prompt tokens at 8 per step (the last one gives the logits)
+    run(engine)
+    assert sink.ids("long") == solo(model, long_prompt, 3)
+    assert sink.ids("short") == solo(model, [1, 2, 3], 12)
+
+
+def test_abort_while_prefilling_releases_the_pages_and_keeps_the_full_ones_findable(model):
+    engine, sink = make_engine(model, prefill_budget=8), Sink()
+    prompt = list(range(1, 41))
+    engine.add(GenerationRequest("a", prompt, SamplingParams(max_tokens=3), sink))
+    engine.step()
+    assert engine.prefilling and engine.pool.allocator.stats().in_use == 2
+    engine.abort("a")
+    engine.step()
+    assert not engine.has_work and engine.pool.allocator.stats().in_use == 0
+    assert sink.last("a").finish_reason == "abort"
+    engine.add(GenerationRequest("b", prompt, SamplingParams(max_tokens=3), sink))
+    run(engine)
+    assert sink.last("b").usage.cached_tokens == 8 and sink.ids("b") == solo(model, prompt, 3)
+
+
+def test_a_sink_that_raises_ends_only_its_own_request(model):
+    engine, sink = make_engine(model), Sink()
+
+    def broken(d):
+        raise ConnectionError("client gone")
+
+    engine.add(GenerationRequest("gone", [1, 2, 3], SamplingParams(max_tokens=20), broken))
+    engine.add(GenerationRequest("ok", [4, 5, 6], SamplingParams(max_tokens=20), sink))
+    run(engine)
+    assert sink.ids("ok") == solo(model, [4, 5, 6], 20)
+    assert engine.pool.allocator.stats().in_use == 0
+
+
+def test_sampled_rows_do_not_change_greedy_rows(model):
+    engine, sink = make_engine(model), Sink()
+    mx.random.seed(1)
+    engine.add(GenerationRequest("g", [1, 2, 3], SamplingParams(max_tokens=12), sink))
+    engine.add(GenerationRequest("s", [1, 2, 3], SamplingParams(max_tokens=12, temperature=1.5, top_p=0.9), sink))
+    run(engine)
+    assert sink.ids("g") == solo(model, [1, 2, 3], 12)
+    assert len(sink.ids("s")) == 12 and sink.ids("s") != sink.ids("g")
+
+
+def test_the_engine_thread_survives_a_failing_step_and_keeps_serving(model):
+    class Flaky:  # the model, failing on one call
+        def __init__(self, m):
+            self.m, self.args, self.layers, self.fail = m, m.args, m.layers, False
+
+        def __call__(self, *a, **k):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("device lost")
+            return self.m(*a, **k)
+
+    flaky = Flaky(model)
+    thread = EngineThread(lambda: make_engine(flaky))
+    engine = thread.start(timeout=60)
+    done = threading.Event()
+    sink = Sink()
+
+    def record(d):
+        sink(d)
+        if d.finish_reason:
+            done.set()
+
+    flaky.fail = True
+    thread.submit(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=4), record))
+    assert done.wait(30)
+    assert sink.last("a").finish_reason == "error" and "device lost" in sink.last("a").error
+    done.clear()
+    thread.submit(GenerationRequest("b", [1, 2, 3], SamplingParams(max_tokens=4), record))
+    thread.submit(GenerationRequest("b", [1, 2, 3], SamplingParams(max_tokens=4), sink))  # a duplicate id
+    assert done.wait(30)
+    assert sink.ids("b")[:4] == solo(model, [1, 2, 3], 4)
+    thread.stop()
+    assert thread.errors == 1 and engine.pool.allocator.stats().in_use == 0
+    assert any(d.finish_reason == "error" and "already" in d.error for d in sink.deltas["b"])
+
+
+# ---------------------------------------------------------------------- TextStream
+def test_text_stream_holds_back_half_characters():
+    data = "né😀x".encode()
+    # one byte per token: decoding a cut multi-byte character gives U+FFFD
+    stream = TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    out = [stream.push(b) for b in data]
+    assert "".join(out) == "né😀x"
+    assert all("\ufffd" not in piece for piece in out)
+    assert out[-1] == "x"
+
+
+def test_text_stream_stops_before_a_stop_string_split_over_tokens():
+    stream = TextStream(lambda ids: "".join(chr(i) for i in ids), stop=["END", "zz"])
+    out = [stream.push(ord(c)) for c in "abcENabENDxyz"]
+    assert "".join(out) == "abcENab" and stream.stopped
+    assert stream.push(ord("q")) == "" and stream.finish() == ""
+    stream = TextStream(lambda ids: "".join(chr(i) for i in ids), stop=["END"])
+    out = [stream.push(ord(c)) for c in "abEN"]
+    assert "".join(out) == "ab"  # "EN" may become "END"
+    assert stream.finish() == "EN" and stream.text == "abEN"
+
+
+# ---------------------------------------------------------------------- sampling
+@pytest.mark.parametrize("kw, error", [
+    (dict(max_tokens=0), InvalidValueError), (dict(max_tokens=True), InvalidTypeError),
+    (dict(max_tokens=2, temperature=-1), InvalidValueError), (dict(max_tokens=2, temperature="1"), InvalidTypeError),
+    (dict(max_tokens=2, top_p=0), InvalidValueError), (dict(max_tokens=2, top_p=1.5), InvalidValueError),
+    (dict(max_tokens=2, stop=[""]), InvalidValueError), (dict(max_tokens=2, stop=["a"] * 5), InvalidValueError),
+    (dict(max_tokens=2, stop=3), InvalidTypeError),
+])
+def test_sampling_params_refuse_bad_values(kw, error):
+    with pytest.raises(error):
+        SamplingParams(**kw)
+
+
+def test_sample_rows_greedy_nucleus_and_temperature():
+    logits = mx.array([[0.0, 3.0, 1.0, 2.9], [5.0, 0.0, 0.0, 0.0]])
+    greedy = SamplingParams(max_tokens=1)
+    assert sample_rows(logits, [greedy, greedy]).tolist() == [1, 0]
+    tight = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.01)  # only the top token is left
+    mx.random.seed(0)
+    assert all(sample_rows(logits, [tight, tight]).tolist() == [1, 0] for _ in range(20))
+    hot = SamplingParams(max_tokens=1, temperature=1.0)
+    draws = [sample_rows(logits, [hot, greedy]).tolist() for _ in range(400)]
+    firsts = [d[0] for d in draws]
+    assert all(d[1] == 0 for d in draws)
+    assert 0.3 < firsts.count(3) / firsts.count(1) < 1.5  # e^-0.1 ≈ 0.9
+    half = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.6)  # tokens 1 and 3 only
+    assert set(sample_rows(logits, [half, half]).tolist()[0] for _ in range(100)) <= {1, 3}
