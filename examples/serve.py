@@ -88,10 +88,11 @@ class ServeReport:
 
 
 def serve(model, pool: PagePool, trace: list[Request], *, max_batch: int = 32, watermark: float = 0.02,
-          prefix_caching: bool = True, progress: bool = True) -> ServeReport:
-    """Run ``trace`` through an ``Engine``; fills in each request's ``generated`` (greedy)."""
+          prefix_caching: bool = True, progress: bool = True, disk_tier=None) -> ServeReport:
+    """Run ``trace`` through an ``Engine``; fills in each request's ``generated`` (greedy).
+    ``disk_tier``: a ``DiskTier`` that keeps evicted prefix pages."""
     engine = Engine(model, pool, decode=lambda ids: "", max_batch=max_batch, watermark=watermark,
-                    prefix_caching=prefix_caching)
+                    prefix_caching=prefix_caching, disk_tier=disk_tier)
     arriving = sorted(trace, key=lambda r: r.arrival)
     work: dict[int, GenerationRequest] = {}
     rejected: list[int] = []
@@ -195,16 +196,27 @@ def main() -> None:
     ap.add_argument("--max-batch", type=positive_int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", default="serve_pool.png", help="where to save the pool-usage plot")
+    ap.add_argument("--disk-tier", metavar="DIR", default=None,
+                    help="keep evicted prefix pages in DIR (pagedkv.disk_tier), read back on later hits")
     args = ap.parse_args()
     model, layers, kv_heads, head_dim, dtype, vocab = load_model(args.model)
     pool = PagePool(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
                     page_size=args.page_size, num_pages=args.pages, dtype=dtype)
     trace = make_trace(args.requests, vocab, seed=args.seed, rate=args.rate)
-    report = serve(model, pool, trace, max_batch=args.max_batch)
+    disk = None
+    if args.disk_tier:
+        from pagedkv.disk_tier import DiskTier
+
+        disk = DiskTier(args.disk_tier, pool, max_bytes=1 << 30, model_id=f"{args.model}:seed0")
+    report = serve(model, pool, trace, max_batch=args.max_batch, disk_tier=disk)
     print(f"requests: {args.requests}, engine steps: {report.steps}, wall {report.seconds:.1f} s")
     print(f"throughput: {report.generated / report.seconds:.1f} generated tokens/s")
     print(f"prefix cache hit rate: {report.prefix_hit_rate:.1%} of prompt tokens")
     print(f"preemptions: {report.preemptions}")
+    if disk is not None:
+        st = disk.stats
+        print(f"disk tier: {st.restored} pages read back, {st.written} written, {st.files} files "
+              f"({st.bytes_on_disk / 2**20:.1f} MiB) in {args.disk_tier}")
     if report.rejected:
         print(f"rejected: {len(report.rejected)} requests whose prompt + max output can never fit "
               f"the pool's {pool.usable_pages} pages of {pool.page_size} tokens (raise --pages)")

@@ -16,13 +16,19 @@ from allocators import PoolExhausted
 from pagedkv.attention_routing import route_attention
 from pagedkv.batch import PagedBatch, PagedBatchKVCache
 from pagedkv.cache import PagedKVCache, PagedPromptCache, layout_for, make_paged_cache
+from pagedkv.cache_file import load_cache, save_cache
 from pagedkv.codec import AffineQuant, FullPrecision, RotatedAffineQuant, rotated
+from pagedkv.disk_tier import DiskTier
 from pagedkv.donor_cache import DonorCache, donor_caches
 from pagedkv.drafter import DrafterKv
 from pagedkv.errors import (
+    CorruptKvFileError,
     InvalidTypeError,
     InvalidValueError,
     KvDTypeError,
+    KvFileError,
+    KvFileMismatchError,
+    KvFileVersionError,
     KvLeakError,
     KvShapeError,
     NotSupportedError,
@@ -44,6 +50,13 @@ from pagedkv.view import KvAttentionView
 __all__ = [
     "PrefixCache",
     "PrefixKeys",
+    "DiskTier",
+    "save_cache",
+    "load_cache",
+    "KvFileError",
+    "CorruptKvFileError",
+    "KvFileVersionError",
+    "KvFileMismatchError",
     "PrefixStats",
     "can_admit",
     "pages_for",

@@ -13,7 +13,11 @@ Hierarchy (each also subclasses the closest built-in, so ``except ValueError`` w
     │   └── KvDTypeError                   an array of the wrong dtype
     ├── ReleasedError (RuntimeError)       use of a released or moved object
     ├── NotSupportedError (NotImplementedError)
-    └── KvLeakError (RuntimeError)
+    ├── KvLeakError (RuntimeError)
+    └── KvFileError (ValueError)           a KV file that cannot be used; nothing is loaded
+        ├── CorruptKvFileError             truncated, bad header, checksum mismatch
+        ├── KvFileVersionError             written by another format version
+        └── KvFileMismatchError            another model, page size, head_dim, dtype or codec
     PoolExhausted (allocators; MemoryError)
 """
 
@@ -31,6 +35,10 @@ __all__ = [
     "ReleasedError",
     "NotSupportedError",
     "KvLeakError",
+    "KvFileError",
+    "CorruptKvFileError",
+    "KvFileVersionError",
+    "KvFileMismatchError",
     "PoolExhausted",
 ]
 
@@ -71,6 +79,22 @@ class NotSupportedError(PagedKvError, NotImplementedError):
 
 class KvLeakError(PagedKvError, RuntimeError):
     """A SharedKv created during a ForwardPass was neither handed to the pass nor released."""
+
+
+class KvFileError(PagedKvError, ValueError):
+    """A saved cache or disk-tier page that cannot be loaded; the pool is unchanged."""
+
+
+class CorruptKvFileError(KvFileError):
+    """Truncated bytes, a malformed header or tensor table, or a checksum mismatch."""
+
+
+class KvFileVersionError(KvFileError):
+    """A file of another (newer or unknown) format version."""
+
+
+class KvFileMismatchError(KvFileError):
+    """A file written for another model or pool layout (page size, head_dim, dtype, codec)."""
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None,

@@ -296,6 +296,73 @@ class PagePool:
         ``layer_arrays``)."""
         return self._k[layer] + self._v[layer]
 
+    # ------------------------------------------------------------------ pages as bytes
+    def layout_description(self) -> dict[str, str]:
+        """What page bytes mean in this pool: a file of pages loads only into a pool
+        with the same description (``KvFileMismatchError`` otherwise)."""
+        return {"num_layers": str(self.num_layers), "num_kv_heads": str(self.num_kv_heads),
+                "head_dim": str(self.head_dim), "v_head_dim": str(self.v_head_dim),
+                "page_size": str(self.page_size), "dtype": str(self.dtype),
+                "k_codec": repr(self.k_codec), "v_codec": repr(self.v_codec)}
+
+    def page_arrays(self) -> list[tuple[str, tuple[int, ...], mx.Dtype]]:
+        """(name, shape of one page [1, kv_heads, page_size, width], dtype) of every array a
+        page is stored in: each
+        layer's K codec components, then its V components (names ``L3.K0``, ``L3.V1``)."""
+        out = []
+        for layer in range(self.num_layers):
+            for side, arrays in (("K", self._k[layer]), ("V", self._v[layer])):
+                for c, a in enumerate(arrays):
+                    out.append((f"L{layer}.{side}{c}", (1, self.num_kv_heads, *a.shape[1:]), a.dtype))
+        return out
+
+    def read_pages(self, pages: Sequence[int]) -> dict[str, np.ndarray]:
+        """A host copy of ``pages`` (valid ids), one array per ``page_arrays`` entry, shaped
+        [n, kv_heads, page_size, width] (page-major: page i is ``a[i]``, contiguous);
+        bfloat16 comes as its uint16 bit patterns. O(bytes)."""
+        ids = self.allocator.checked_ids(pages)
+        take = mx.array(self.array_rows(ids).T.reshape(-1).astype(np.int32))  # page-major rows
+        parts = []
+        for layer in range(self.num_layers):
+            for a in self._k[layer] + self._v[layer]:
+                part = mx.take(a, take, axis=0)
+                parts.append(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part)
+        mx.eval(parts)  # now, so no read of the pool outlives this call
+        out = {}
+        for (name, shape, _), part in zip(self.page_arrays(), parts):
+            out[name] = np.array(part, copy=True).reshape(ids.size, self.num_kv_heads, *shape[2:])
+        return out
+
+    def write_pages(self, pages: Sequence[int], data: dict[str, np.ndarray]) -> None:
+        """Write ``data`` (as ``read_pages`` returns it) into ``pages``, which the caller
+        holds (IN_USE). Every array is checked against ``page_arrays`` first; a refusal
+        (``KvShapeError``, ``InvalidValueError``) writes nothing. O(bytes)."""
+        ids = self.allocator.checked_ids(pages)
+        if np.unique(ids).size != ids.size:
+            raise InvalidValueError("write_pages targets a page twice")
+        if any(self.allocator.page_state(int(p)) != PageState.IN_USE for p in ids):
+            raise InvalidValueError("write_pages writes only into pages the caller holds (IN_USE)")
+        specs = self.page_arrays()
+        if set(data) != {name for name, _, _ in specs}:
+            raise KvShapeError(f"write_pages needs exactly the arrays {[n for n, _, _ in specs[:4]]}...")
+        blocks = []
+        for name, shape, dtype in specs:
+            arr = data[name]
+            want = (ids.size, self.num_kv_heads, *shape[2:])
+            raw = np.uint16 if dtype == mx.bfloat16 else None
+            if tuple(arr.shape) != want or (raw is not None and arr.dtype != raw) or \
+                    (raw is None and arr.dtype != np.dtype(str(dtype).split(".")[-1])):
+                raise KvShapeError(f"{name}: expected {dtype} {want}, got {arr.dtype} {tuple(arr.shape)}")
+            block = mx.array(np.ascontiguousarray(arr).reshape(-1, *shape[2:]))
+            blocks.append(block.view(mx.bfloat16) if raw is not None else block)
+        rows = mx.array(self.array_rows(ids).T.reshape(-1).astype(np.int32))  # page-major, as the data
+        it = iter(blocks)
+        for layer in range(self.num_layers):
+            self._settle_reads(layer)
+            for a in self._k[layer] + self._v[layer]:
+                a[rows] = next(it)
+        mx.eval(self._k, self._v)
+
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages ``src`` onto pages ``dst`` in every layer (copy-on-write).
 

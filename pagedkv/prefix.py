@@ -30,12 +30,15 @@ from itertools import islice
 from typing import Sequence, Union
 
 import attrs
+import numpy as np
 
 from pagedkv.cache import PagedPromptCache, make_paged_cache
+from pagedkv.disk_tier import DiskTier, chain_digest, root_digest
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
     NotSupportedError,
+    PoolExhausted,
     ReleasedError,
     check_int,
 )
@@ -51,7 +54,8 @@ class PrefixStats:
     queries: int
     query_tokens: int
     hit_tokens: int
-    hit_pages: int
+    hit_pages: int  # RAM and disk hits
+    disk_hit_pages: int  # of them, read back from the disk tier
     registered_pages: int
     cached_pages: int
     evictions: int
@@ -62,8 +66,14 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, *, extra_keys: bytes | str = b"") -> None:
+    def __init__(self, pool: PagePool, *, extra_keys: bytes | str = b"", disk: DiskTier | None = None) -> None:
+        """``disk``: a ``DiskTier`` for ``pool`` that keeps evicted pages (module doc of
+        :mod:`pagedkv.disk_tier`); ``new_cache`` then continues a RAM hit from it."""
+        if disk is not None and (not isinstance(disk, DiskTier) or disk.pool is not pool):
+            raise InvalidValueError("disk must be a DiskTier of the same pool")
         self.pool = pool
+        self.disk = disk
+        self._digests: dict[int, tuple[bytes, bytes]] = {}  # node -> (its digest, its parent's); with disk
         self.extra = _extra(extra_keys)
         self._by_key: dict[tuple[int, bytes], int] = {}
         self._key_of_page: dict[int, tuple[int, bytes]] = {}  # registered page -> its key
@@ -72,6 +82,7 @@ class PrefixCache:
         self._next_node = 1
         pool.allocator.evict_listeners.append(self._forget)
         self._queries = self._query_tokens = self._hit_tokens = self._hit_pages = self._evictions = 0
+        self._disk_hit_pages = 0
 
     # ------------------------------------------------------------------ keys
     def keys(self, tokens: Sequence[int] = (), *, extra_keys: bytes | str | None = None) -> PrefixKeys:
@@ -81,6 +92,8 @@ class PrefixCache:
         root = self._roots.get(extra)
         if root is None:
             root = self._roots[extra] = self._new_node()
+            if self.disk is not None:
+                self._digests[root] = (root_digest(extra), b"")
         return PrefixKeys(self, self.pool.page_size, root, tokens)
 
     def _new_node(self) -> int:
@@ -96,13 +109,87 @@ class PrefixCache:
         return self.keys(tokens)
 
     def _forget(self, ids: list[int]) -> None:
-        """Evict listener: drop the keys of evicted pages. O(len(ids))."""
+        """Evict listener: drop the keys of evicted pages (after queuing them for the
+        disk tier, if any). O(len(ids))."""
         key_of, by_key = self._key_of_page, self._by_key
+        if self.disk is not None:
+            self._spill([p for p in ids if p in key_of], forget=True)
         for page in ids:
             key = key_of.pop(page, None)
             if key is not None:  # (pages another prefix cache registered have none here)
                 del by_key[key]
                 self._evictions += 1
+
+    def persist(self) -> int:
+        """Queue every registered page that the disk tier lacks for writing (say, before
+        the process exits, so a restart hits pages that were never evicted); returns how
+        many were queued. Wait with ``disk.flush()``."""
+        if self.disk is None:
+            raise NotSupportedError("persist needs a PrefixCache with a disk tier")
+        before = self.disk.stats.spilled
+        pages = list(self._key_of_page)
+        step = max(1, self.disk.max_pending_bytes // max(1, self.disk.spec.bytes_per_page) // 2)
+        for i in range(0, len(pages), step):  # within the write queue's byte limit
+            self._spill(pages[i : i + step], forget=False)
+            self.disk.flush()
+        return self.disk.stats.spilled - before
+
+    def _spill(self, pages: list[int], forget: bool) -> None:
+        """Hand ``pages`` (registered, unchanged in the pool) to the disk tier; with
+        ``forget`` (they are being evicted) their digests are dropped too."""
+        if not pages:
+            return
+        digests, parents, chunks, kept = [], [], [], []
+        take = self._digests.pop if forget else self._digests.get
+        for page in pages:
+            entry = take(self._node_of_page[page], None)
+            if entry is not None:
+                digests.append(entry[0])
+                parents.append(entry[1])
+                chunks.append(self._key_of_page[page][1])
+                kept.append(page)
+        self.disk.spill(digests, parents, chunks, kept)
+
+    def _restore(self, keys: PrefixKeys, start: int) -> list[int]:
+        """Pages ``start, start + 1, ...`` of ``keys`` read back from the disk tier into
+        new pool pages (held once for the caller, registered); stops at the first page
+        the tier lacks, and at the sequence's last token. Best effort: a full pool or a
+        bad file ends it early, and the pages read so far are kept."""
+        limit = max(0, (keys.num_tokens - 1) // keys.page_size)
+        above = self._digests.get(keys.nodes[start - 1] if start else keys.root)
+        if above is None:
+            return []
+        parent = above[0]
+        chain = []
+        for i in range(start, limit):
+            digest = chain_digest(parent, keys.pages[i])
+            if not self.disk.has(digest):
+                break
+            chain.append((digest, parent))
+            parent = digest
+        if not chain:
+            return []
+        try:
+            pages = self.pool.allocator.allocate(len(chain))
+        except PoolExhausted:
+            return []
+        found = []
+        for i, (digest, parent) in enumerate(chain):
+            data = self.disk.load(digest, parent, keys.pages[start + i])
+            if data is None:
+                break
+            found.append(data)
+        if len(found) < len(pages):
+            self.pool.allocator.decref(pages[len(found) :])
+            pages = pages[: len(found)]
+        if not found:
+            return []
+        self.pool.write_pages(pages, {n: np.concatenate([d[n] for d in found]) if len(found) > 1 else found[0][n]
+                                      for n in found[0]})
+        self._register([int(p) for p in pages], start, keys)
+        self.disk.stats.restored += len(pages)
+        self._disk_hit_pages += len(pages)
+        return [int(p) for p in pages]
 
     # ------------------------------------------------------------------ lookups
     def match(self, tokens: TokensOrKeys) -> list[int]:
@@ -141,6 +228,15 @@ class PrefixCache:
         self._query_tokens += keys.num_tokens
         if pages:
             self.pool.allocator.touch(pages)  # one reference each; revives CACHED pages
+        if self.disk is not None:
+            try:
+                pages = pages + self._restore(keys, len(pages))  # (already held once each)
+            except BaseException:
+                if pages:
+                    self.pool.allocator.decref(pages)
+                cache.release()
+                raise
+        if pages:
             cache.rows.adopt_prefix(pages)
             self._hit_pages += len(pages)
             self._hit_tokens += len(pages) * self.pool.page_size
@@ -239,10 +335,14 @@ class PrefixCache:
         if new:
             self.pool.allocator.set_cacheable(new)  # may refuse: nothing has changed yet
             node = self._next_node
+            digests = self._digests if self.disk is not None else None
             for page, chunk in zip(new, chunks[i:end]):
                 key = (parent, chunk)
                 by_key[key] = page
                 key_of[page] = key
+                if digests is not None:
+                    above = digests[parent][0]
+                    digests[node] = (chain_digest(above, chunk), above)
                 node_of[page] = parent = node
                 walked.append(node)
                 node += 1
@@ -254,7 +354,7 @@ class PrefixCache:
     def stats(self) -> PrefixStats:
         return PrefixStats(
             queries=self._queries, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
-            hit_pages=self._hit_pages, registered_pages=len(self._by_key),
+            hit_pages=self._hit_pages, disk_hit_pages=self._disk_hit_pages, registered_pages=len(self._by_key),
             cached_pages=self.pool.allocator.num_cached(), evictions=self._evictions,
         )
 

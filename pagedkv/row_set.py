@@ -260,13 +260,14 @@ class RowSet:
         out.step_starts = self.step_starts.copy()
         return out
 
-    def adopt_prefix(self, pages: Sequence[int]) -> None:
-        """Start the one empty full-attention row with ``pages`` (full, each already
-        referenced once for it: a prefix-cache hit); every layer stands after them."""
+    def adopt_prefix(self, pages: Sequence[int], num_tokens: int | None = None) -> None:
+        """Start the one empty full-attention row with ``pages`` (each already referenced
+        once for it: a prefix-cache hit, a loaded cache) holding ``num_tokens`` tokens
+        (default: all pages full); every layer stands after them."""
         if self.num_rows != 1 or len(self._tables) != 1 or self.layout.specs[0].window is not None:
             raise NotSupportedError("prefix caching serves one full-attention row")
         table = self._tables[0][0]
-        table.adopt(pages)
+        table.adopt(pages, num_tokens)
         self.offsets[:] = table.num_tokens
         self.step_starts[:] = table.num_tokens
         self._changed()

@@ -167,15 +167,22 @@ class PageTable:
         self._n, self._dropped, self.num_tokens = n, record.dropped, record.num_tokens
         self.pool.allocator.decref(record.allocated[::-1].copy())
 
-    def adopt(self, pages: Sequence[int]) -> None:
-        """Start an empty table with ``pages``, all full, on which the caller has
-        already taken one reference each (a prefix-cache hit)."""
+    def adopt(self, pages: Sequence[int], num_tokens: int | None = None) -> None:
+        """Start an empty table with ``pages``, on which the caller has already taken one
+        reference each (a prefix-cache hit, a loaded cache), holding ``num_tokens``
+        tokens (default: every page full; a partial last page must be held by this
+        table alone, as it will be written)."""
         self._check_alive()
         if self._n:
             raise InvalidValueError("adopt() needs an empty table")
         ids = np.asarray(pages, dtype=np.int64)
+        full = ids.size * self.pool.page_size
+        if num_tokens is None:
+            num_tokens = full
+        elif not full - self.pool.page_size < num_tokens <= full:
+            raise InvalidValueError(f"{num_tokens} tokens do not fill {ids.size} pages of {self.pool.page_size}")
         self._append(ids)
-        self.num_tokens = ids.size * self.pool.page_size
+        self.num_tokens = num_tokens
 
     def _append(self, ids: np.ndarray) -> None:
         if ids.size == 0:

@@ -172,6 +172,7 @@ def test_second_turn_reuses_the_first_turns_pages(client, server):
     assert after["pagedkv:prefix_cache_hits_total"] - before["pagedkv:prefix_cache_hits_total"] == cached
 
 
+@pytest.mark.slow
 def test_sixteen_concurrent_clients_get_solo_answers_and_leak_no_pages(server, lm):
     from openai import AsyncOpenAI
 
@@ -308,6 +309,7 @@ def stop_server(proc: subprocess.Popen) -> str:
     return last[-1][: len("engine stopped: 0 KV pages in use, ")]
 
 
+@pytest.mark.slow
 def test_sigterm_mid_request_stops_the_server_and_releases_every_page():
     import httpx
 
@@ -316,6 +318,26 @@ def test_sigterm_mid_request_stops_the_server_and_releases_every_page():
     with httpx.Client(timeout=60) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
         next(r.iter_lines())
         assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
+
+
+@pytest.mark.slow
+def test_a_restarted_server_with_a_disk_tier_hits_the_previous_runs_prefixes(tmp_path, lm):
+    from openai import OpenAI
+
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Remember me."}]
+    answers = []
+    for _ in range(2):  # the second server is a restart on the same directory
+        proc, url = start_server("--pool-bytes", str(64 * 8192), "--disk-tier", str(tmp_path))
+        try:
+            c = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            r = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
+            answers.append((r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens))
+        finally:
+            assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
+    prompt = len(lm.chat_tokens(messages))
+    assert answers[0][1] == 0 and answers[1][1] == (prompt - 1) // 16 * 16  # every full page, from disk
+    assert answers[0][0] == answers[1][0] == solo(lm, lm.chat_tokens(messages), 6)[0]
+    assert list(tmp_path.glob("*.kvpage"))
 
 
 @pytest.mark.slow

@@ -68,6 +68,7 @@ def test_france_prompt_names_paris(lm, pool):
     assert "Paris" in text
 
 
+@pytest.mark.slow  # (about 11 s: the quick loop stays under 2 minutes)
 def test_paged_logits_match_kvcache_on_the_real_model(lm, pool):
     ids = mx.array(lm.chat_prompt(PROMPTS[1]))[None]
     ref_cache = make_prompt_cache(lm.model)

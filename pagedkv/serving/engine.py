@@ -43,6 +43,7 @@ import mlx.core as mx
 
 from pagedkv.batch import PagedBatch
 from pagedkv.cache import PagedPromptCache, make_paged_cache
+from pagedkv.disk_tier import DiskTier
 from pagedkv.errors import InvalidTypeError, InvalidValueError, PoolExhausted
 from pagedkv.generation import prefill
 from pagedkv.pool import PagePool
@@ -153,16 +154,21 @@ class Engine:
         prefill_budget: int = 512,
         watermark: float = 0.01,
         metrics: ServingMetrics | None = None,
+        disk_tier: DiskTier | None = None,
     ) -> None:
         """``decode`` turns token ids into text (special tokens skipped).
         ``prefill_budget``: prompt tokens prefilled per step (chunked prefill: a longer
         prompt is spread over several steps, with the running rows decoding between
         them, so a long prompt cannot stall everyone's next token).
-        ``prefill_chunk``: the most tokens in one forward."""
+        ``prefill_chunk``: the most tokens in one forward.
+        ``disk_tier``: keeps evicted prefix pages on disk (and every cached page at
+        ``close``), so prefix hits survive eviction and restarts."""
         self.model = model
         self.pool = pool
         self.batch = PagedBatch.for_model(model, pool)
-        self.prefix = PrefixCache(pool) if prefix_caching else None
+        if disk_tier is not None and not prefix_caching:
+            raise InvalidValueError("a disk tier keeps prefix-cache pages: it needs prefix_caching")
+        self.prefix = PrefixCache(pool, disk=disk_tier) if prefix_caching else None
         self.decode = decode
         self.eos = frozenset(eos_token_ids)
         vocab = int(model.args.vocab_size)
@@ -223,11 +229,15 @@ class Engine:
         return True
 
     def close(self) -> None:
-        """Abort everything and give every page back."""
+        """Abort everything and give every page back; with a disk tier, write every
+        cached page to it first and wait for the writes."""
         for req in list(self._ids.values()):
             self.abort(req.rid)
         self._retire()
         self.batch.release()
+        if self.prefix is not None and self.prefix.disk is not None:
+            self.prefix.persist()
+            self.prefix.disk.close()
         self._closed = True
         self._update_gauges()
 

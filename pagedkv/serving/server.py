@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=positive_int, default=None,
                     help="max_tokens of a request that gives none (default: what its context allows)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    ap.add_argument("--disk-tier", metavar="DIR", default=None,
+                    help="keep evicted prefix pages in DIR (and every cached page at shutdown), so "
+                         "prefix hits survive eviction and restarts")
+    ap.add_argument("--disk-tier-bytes", type=int_at_least(1), default=4 << 30,
+                    help="most bytes the disk tier keeps (least recently used files go first; default 4 GiB)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return ap
 
@@ -65,10 +70,32 @@ def build_engine(args: argparse.Namespace, loaded: list):
     lm = load_model(args.model)
     loaded.append(lm)
     pool = pool_for(lm, page_size=args.page_size, max_bytes=args.pool_bytes, kv_bits=args.kv_bits)
+    disk = None
+    if args.disk_tier:
+        from pagedkv.disk_tier import DiskTier
+
+        disk = DiskTier(args.disk_tier, pool, max_bytes=args.disk_tier_bytes, model_id=model_fingerprint(lm))
     return Engine(lm.model, pool, decode=lm.decode, eos_token_ids=lm.eos_token_ids,
                   max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching,
                   prefill_budget=args.prefill_budget, prefill_chunk=min(512, args.prefill_budget),
-                  metrics=ServingMetrics(lm.name))
+                  metrics=ServingMetrics(lm.name), disk_tier=disk)
+
+
+def model_fingerprint(lm) -> str:
+    """Names the weights a disk tier's pages were computed with: the model's name, its
+    hyper-parameters and a digest of a sample of every weight tensor."""
+    import hashlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    h = hashlib.blake2b(repr(lm.model.args).encode(), digest_size=16)
+    for name, w in tree_flatten(lm.model.parameters()):
+        flat = w.reshape(-1)
+        sample = flat[:: max(1, flat.size // 64)][:64]
+        h.update(name.encode() + bytes(memoryview(mx.array(sample).view(mx.uint8) if sample.dtype != mx.bfloat16
+                                                  else sample.view(mx.uint16).view(mx.uint8))))
+    return f"{lm.name}:{h.hexdigest()}"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,245 @@
+"""``DiskTier``: prefix-cache pages that outlive their eviction from the pool, and the
+process.
+
+When the ``PrefixCache`` it is attached to forgets an evicted page, the page's bytes
+are copied out of the pool (one gather for all pages evicted together, on the owner
+thread; a memory copy, no disk I/O) and queued for a background writer thread, which
+writes one page file per page (:mod:`pagedkv.page_file`: safetensors, version, layout,
+model fingerprint, CRC-32) crash-safely: temp file, fsync, rename. A decode step
+never waits for the disk. A page still queued is served from memory.
+
+A page file is named by its *chain digest*: BLAKE2b-128 over the digest of the prefix
+before it and its own token ids, from a root digest of the prefix cache's
+``extra_keys``. A later ``PrefixCache.new_cache`` that runs out of RAM pages looks the
+next pages' digests up here, reads them back into free pool pages and registers them
+again, so they are RAM hits from then on. Each file's page token ids and parent
+digest are compared with the request's before its bytes are used, as a RAM hit
+compares token ids. A file that fails any check is deleted and counted (a miss, never
+an error for the request); one written for another layout or model is refused when
+the directory is opened (``KvFileMismatchError``; ``tier.json`` records it).
+
+On open, leftover temp files of a crashed writer are deleted and the directory is
+re-indexed from its file names (sizes and modification times; contents are checked
+when read), so a restarted process hits the pages a previous one wrote. The directory
+is kept under ``max_bytes`` by deleting the least recently used files.
+
+Ownership: the tier owns its files and the host copies it has queued; it holds no pool
+pages. Threads: ``spill``/``restore`` run on the pool's owner thread; the writer
+thread only writes files and touches the index under a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from pagedkv import safetensors_file
+from pagedkv.errors import InvalidValueError, KvFileError, KvFileMismatchError, check_int
+from pagedkv.page_file import PageFileSpec, read_pages_file, write_pages_file
+from pagedkv.pool import PagePool
+
+log = logging.getLogger("pagedkv.disk_tier")
+
+SUFFIX = ".kvpage"
+_DIGEST = 16
+
+
+def chain_digest(parent: bytes, page_tokens: bytes) -> bytes:
+    """The digest naming a page: BLAKE2b-128 of its parent's digest and its token bytes."""
+    return hashlib.blake2b(parent + page_tokens, digest_size=_DIGEST).digest()
+
+
+def root_digest(extra: bytes) -> bytes:
+    return hashlib.blake2b(b"pagedkv.root\0" + extra, digest_size=_DIGEST).digest()
+
+
+@attrs.define
+class DiskTierStats:
+    spilled: int = 0  # pages queued for writing
+    written: int = 0  # page files written
+    dropped: int = 0  # pages not spilled: the write queue was full, or a write failed
+    restored: int = 0  # pages read back into the pool
+    bad_files: int = 0  # files that failed a check (deleted)
+    deleted: int = 0  # files deleted to stay under max_bytes
+    bytes_written: int = 0
+    bytes_read: int = 0
+    files: int = 0
+    bytes_on_disk: int = 0
+
+
+class DiskTier:
+    def __init__(self, directory: str | os.PathLike, pool: PagePool, *, max_bytes: int,
+                 model_id: str = "", max_pending_bytes: int = 256 << 20) -> None:
+        """Open (or create) ``directory`` for ``pool``'s pages of model ``model_id``."""
+        self.directory = Path(directory)
+        self.pool = pool
+        self.max_bytes = check_int("max_bytes", max_bytes, minimum=1)
+        self.max_pending_bytes = check_int("max_pending_bytes", max_pending_bytes, minimum=0)
+        self.spec = PageFileSpec(pool, model_id)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._check_directory()
+        safetensors_file.remove_stale_temps(self.directory)
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, int] = OrderedDict()  # digest hex -> size, LRU first
+        self._pending: dict[str, tuple[dict, dict]] = {}  # queued, not yet on disk
+        self._pending_bytes = 0
+        self.stats = DiskTierStats()
+        found = []
+        for p in self.directory.glob("*" + SUFFIX):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            found.append((st.st_mtime_ns, p.name[: -len(SUFFIX)], st.st_size))
+        for _, name, size in sorted(found):
+            self._files[name] = size
+            self.stats.bytes_on_disk += size
+        self._trim()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._writer = threading.Thread(target=self._write_loop, name="pagedkv-disk-tier", daemon=True)
+        self._writer.start()
+
+    def _check_directory(self) -> None:
+        record = self.directory / "tier.json"
+        want = {"format": "pagedkv.disk_tier", "version": 1, "layout": self.spec.layout, "model": self.spec.model}
+        if record.exists():
+            try:
+                have = json.loads(record.read_text())
+            except (OSError, json.JSONDecodeError):
+                have = None
+            if have != want:
+                raise KvFileMismatchError(f"{self.directory} holds pages of another model or pool layout "
+                                          f"({record}); use another directory")
+        else:
+            safetensors_file.write_atomic(record, [json.dumps(want, sort_keys=True).encode()])
+
+    # ------------------------------------------------------------------ owner thread
+    def spill(self, digests: list[bytes], parents: list[bytes], tokens: list[bytes], pages: list[int]) -> None:
+        """Queue ``pages`` (held or just evicted, still unchanged in the pool) for writing
+        under ``digests``. One gather from the pool; no disk I/O here."""
+        todo = [i for i, d in enumerate(digests) if not self.has(d)]
+        room = (self.max_pending_bytes - self._pending_bytes) // max(1, self.spec.bytes_per_page)
+        if len(todo) > room:
+            self.stats.dropped += len(todo) - max(0, room)
+            todo = todo[: max(0, room)]
+        if not todo:
+            return
+        data = self.pool.read_pages([pages[i] for i in todo])
+        for j, i in enumerate(todo):
+            one = {name: arr[j : j + 1] for name, arr in data.items()}
+            meta = {"kind": "tier", "digest": digests[i].hex(), "parent": parents[i].hex(),
+                    "tokens": json.dumps(np.frombuffer(tokens[i], dtype="<i8").tolist())}
+            key = digests[i].hex()
+            with self._lock:
+                self._pending[key] = (one, meta)
+                self._pending_bytes += self.spec.bytes_per_page
+            self._idle.clear()
+            self._queue.put(key)
+        self.stats.spilled += len(todo)
+
+    def has(self, digest: bytes) -> bool:
+        key = digest.hex()
+        with self._lock:
+            return key in self._pending or key in self._files
+
+    def load(self, digest: bytes, parent: bytes, tokens: bytes) -> dict[str, np.ndarray] | None:
+        """The page named ``digest`` if it is there and checks out (its parent digest
+        and token ids equal the request's), else None (a bad file is deleted)."""
+        key = digest.hex()
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is None and key not in self._files:
+                return None
+        if pending is not None:
+            data, meta = pending
+        else:
+            path = self._path(key)
+            try:
+                data, meta = read_pages_file(path, self.spec)
+            except (KvFileError, FileNotFoundError) as e:
+                self._drop_bad(key, e)
+                return None
+            self.stats.bytes_read += sum(a.nbytes for a in data.values())
+        want = json.dumps(np.frombuffer(tokens, dtype="<i8").tolist())
+        if meta.get("digest") != key or meta.get("parent") != parent.hex() or meta.get("tokens") != want \
+                or meta.get("pages") != "1":
+            self._drop_bad(key, InvalidValueError("its digest, parent or token ids are not the request's"))
+            return None
+        with self._lock:
+            if key in self._files:
+                self._files.move_to_end(key)
+        return data
+
+    def _drop_bad(self, key: str, why: Exception) -> None:
+        log.warning("disk tier: dropping page file %s: %s", key, why)
+        self.stats.bad_files += 1
+        with self._lock:
+            size = self._files.pop(key, None)
+            if size is not None:
+                self.stats.bytes_on_disk -= size
+        self._path(key).unlink(missing_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.directory / (key + SUFFIX)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued page is on disk; False on timeout."""
+        return self._idle.wait(timeout)
+
+    def close(self) -> None:
+        """Write what is queued, then stop the writer."""
+        if self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+
+    # ------------------------------------------------------------------ writer thread
+    def _write_loop(self) -> None:
+        while True:
+            key = self._queue.get()
+            if key is None:
+                self._idle.set()
+                return
+            with self._lock:
+                data, meta = self._pending[key]
+            try:
+                size = write_pages_file(self._path(key), data, self.spec, meta)
+            except OSError as e:  # a full or failing disk: the page is simply not kept
+                log.warning("disk tier: cannot write %s: %s", key, e)
+                size = None
+            with self._lock:
+                self._pending.pop(key, None)
+                self._pending_bytes -= self.spec.bytes_per_page
+                if size is None:
+                    self.stats.dropped += 1
+                else:
+                    self.stats.written += 1
+                    self.stats.bytes_written += size
+                    old = self._files.pop(key, None)
+                    self.stats.bytes_on_disk += size - (old or 0)
+                    self._files[key] = size
+                self._trim_locked()
+                if self._queue.empty():
+                    self._idle.set()
+
+    def _trim(self) -> None:
+        with self._lock:
+            self._trim_locked()
+
+    def _trim_locked(self) -> None:
+        while self.stats.bytes_on_disk > self.max_bytes and self._files:
+            key, size = self._files.popitem(last=False)
+            self._path(key).unlink(missing_ok=True)
+            self.stats.bytes_on_disk -= size
+            self.stats.deleted += 1
+        self.stats.files = len(self._files)
