@@ -281,6 +281,9 @@ def test_bad_completion_prompts_and_routes_are_refused(server):
         assert r.status_code == 400, prompt
         assert r.json()["error"]["param"] == "prompt"
     assert httpx.get(server + "/v1/nothing").status_code == 404
+    huge = httpx.post(server + "/v1/completions", content=b"{" + b" " * (33 << 20) + b"}",
+                      headers={"content-type": "application/json"})
+    assert huge.status_code == 413 and huge.json()["error"]["message"]
     assert httpx.get(server + "/v1/chat/completions").status_code == 405
 
 

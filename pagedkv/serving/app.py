@@ -41,6 +41,7 @@ from pagedkv.serving.openai_api import (
 )
 
 _DISCONNECT_POLL_S = 0.25
+MAX_BODY_BYTES = 32 << 20  # a request body larger than this gets a 413 before it is parsed
 
 
 def create_app(engine: EngineThread, lm: LoadedModel, *, default_max_tokens: int | None = None,
@@ -57,7 +58,14 @@ def create_app(engine: EngineThread, lm: LoadedModel, *, default_max_tokens: int
         return JSONResponse(e.body(), status_code=e.status)
 
     async def body_of(request: Request) -> object:
-        raw = await request.body()
+        declared = request.headers.get("content-length", "0")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
+        raw = bytearray()
+        async for chunk in request.stream():  # (a body without a length is counted as it comes)
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB")
         try:
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -447,5 +447,5 @@ class Engine:
         self._pending = [self._pending[i] for i in keep]
 
     def _update_gauges(self) -> None:
-        self.metrics.scheduler(len(self.running), len(self.waiting), self.pool.allocator.stats(),
+        self.metrics.scheduler(len(self.running) + len(self.prefilling), len(self.waiting), self.pool.allocator.stats(),
                                self.pool.usable_pages, self.pool.bytes_per_page)

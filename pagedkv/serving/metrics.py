@@ -43,7 +43,7 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
 
 # attribute -> (kind, name after "pagedkv:", help); every one is labelled by model_name
 _METRICS = {
-    "running": (Gauge, "num_requests_running", "Requests in the running batch."),
+    "running": (Gauge, "num_requests_running", "Requests admitted: prefilling or in the batch."),
     "waiting": (Gauge, "num_requests_waiting", "Requests waiting for admission."),
     "usage": (Gauge, "kv_cache_usage_perc", "Fraction of usable KV pages in use (0-1)."),
     "pages_in_use": (Gauge, "kv_pages_in_use", "KV pages held by requests."),
