@@ -34,3 +34,11 @@ def test_tensor_cores_only_for_gqa_groups_up_to_16():
 def test_pipeline_rejects_shapes_the_kernel_does_not_support(bad):
     with pytest.raises(ValueError):
         Pipeline(**bad)
+
+
+def test_table_widths_are_bucketed_to_powers_of_two_so_growth_compiles_few_kernels():
+    from pagedkv.kernels.paged_decode import bucket_width
+
+    assert [bucket_width(w) for w in (1, 2, 3, 4, 5, 64, 65, 1000, 1024, 1025)] == \
+        [1, 2, 4, 4, 8, 64, 128, 1024, 1024, 2048]
+    assert len({bucket_width(w) for w in range(1, 1025)}) == 11

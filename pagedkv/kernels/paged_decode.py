@@ -162,6 +162,15 @@ def choose_splits(batch: int, kv_heads: int, width_pages: int, sms: int = 132) -
     return max(1, s, -(-width_pages // MAX_PAGES_PER_SPLIT))
 
 
+def bucket_width(pages: int) -> int:
+    """The page-table width the kernel is compiled for: the next power of two. The width
+    is a template argument, so without buckets a growing sequence compiled a new kernel
+    every time it crossed a page boundary (generation ran at 0.05-0.8x mlx-lm on the H200,
+    bench/gpu_generate.py; 0.66-3.2x with buckets at equal lengths); with them a sequence
+    of up to 2^k pages needs k + 1 kernels. Splits past a row's length do no token work."""
+    return 1 << max(0, pages - 1).bit_length()
+
+
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
                  starts: mx.array, scale: float, *, num_pages: int, page_size: int,
                  splits: int | None = None, pipeline: Pipeline = DEFAULT_PIPELINE,
@@ -181,7 +190,9 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
     hkv = k_pool.shape[0] // num_pages
     if hq % hkv or d not in (64, 128, 256) or k_pool.dtype not in (mx.float16, mx.bfloat16):
         raise ValueError(f"unsupported shape/dtype: Hq={hq}, Hkv={hkv}, D={d}, {k_pool.dtype}")
-    w = table.shape[1]
+    w = bucket_width(table.shape[1])
+    if w != table.shape[1]:  # page ids past a row's length are loaded, never read from
+        table = mx.pad(table, [(0, 0), (0, w - table.shape[1])])
     s = max(splits or choose_splits(b, hkv, w), -(-w // MAX_PAGES_PER_SPLIT))
     pps = -(-w // s)
     s = -(-w // pps)

@@ -1,0 +1,184 @@
+"""Whole-model generation on a GPU: mlx-lm's caches vs pagedkv, tokens per second.
+
+    python3 bench/gpu_generate.py [--model 1b|8b] [--dtype float16|bfloat16]
+                                  [--batches 1,8,32,64] [--contexts 1024,4096] [--steps 32]
+
+Model: random weights in mlx-lm's llama class, Llama-3.2-1B-shaped (16 layers, 32 query /
+8 KV heads, head_dim 64) or Llama-3-8B-shaped (32 layers, 32 / 8 heads, head_dim 128).
+
+Decode (for each B and context, equal and ragged lengths): both sides start from caches
+holding the same random K/V (as bench/gpu_model_decode.py), then generate ``--steps``
+tokens greedily, each step's token fed back, the context growing:
+  mlx-lm   ``BatchKVCache`` (rows left-padded to the longest)
+  paged    ``PagedBatch`` with attention routed to the pages (the CUDA decode kernel)
+Printed: decode tokens/s of each and the ratio; for paged, the host time of a step
+(building the graph: Python, pagedkv bookkeeping, MLX graph) as a share of the step, and
+how far MLX's peak memory rose above what was allocated before its run (a scatter that
+copied a layer array instead of writing in place would show here). Greedy tokens are
+not compared: with random fp16 weights, near-tied logits flip between two correct
+attention implementations (tests/test_gpu_kernel.py checks the kernel against SDPA).
+
+Prefill (B = 1, each context): one prompt through ``make_prompt_cache`` (mlx-lm's
+``KVCache``) and through ``make_paged_cache``, in chunks of 2048 tokens, to the first
+token; prompt tokens/s. Peak memory is MLX's peak for each side's run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
+
+from pagedkv import PagedBatch, PagePool, make_paged_cache  # noqa: E402
+from pagedkv.generation import prefill  # noqa: E402
+
+SHAPES = {
+    "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=64, rope_theta=500000.0),
+    "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
+               num_key_value_heads=8, head_dim=128, rope_theta=500000.0),
+}
+PS = 16
+
+
+def model_of(shape: str, dtype) -> llama.Model:
+    cfg = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=32000, tie_word_embeddings=True, **SHAPES[shape])
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+def filled(model, lengths: list[int], steps: int, dtype):
+    a = model.args
+    layers, hkv, d = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
+    longest = max(lengths)
+    ref = [BatchKVCache([longest - n for n in lengths]) for _ in range(layers)]
+    pool = PagePool(num_layers=layers, num_kv_heads=hkv, head_dim=d, page_size=PS, dtype=dtype,
+                    num_pages=sum(-(-(n + steps + 1) // PS) for n in lengths) + 1)
+    batch = PagedBatch.for_model(model, pool)
+    rows = [make_paged_cache(model, pool) for _ in lengths]
+    for layer in range(layers):
+        k = mx.random.normal((len(lengths), hkv, longest, d)).astype(dtype)
+        v = mx.random.normal((len(lengths), hkv, longest, d)).astype(dtype)
+        mx.eval(ref[layer].update_and_fetch(k, v))
+        for b, (row, n) in enumerate(zip(rows, lengths)):
+            mx.eval(row[layer].update_and_fetch(k[b : b + 1, :, longest - n :], v[b : b + 1, :, longest - n :]))
+    for row in rows:
+        batch.extend(row)
+    return ref, batch
+
+
+def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, list[int]]:
+    """(seconds for ``steps`` greedy steps, median host seconds per step, last tokens)."""
+    tok = first
+    host = []
+    mx.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        tok = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
+        host.append(time.perf_counter() - t)
+        mx.eval(tok)
+    mx.synchronize()
+    return time.perf_counter() - t0, statistics.median(host), tok[:, 0].tolist()
+
+
+def decode_case(model, lengths, steps, dtype) -> dict:
+    rng = np.random.default_rng(1)
+    first = mx.array(rng.integers(0, 32000, (len(lengths), 1)).astype(np.int32))
+    out = {}
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    ref, batch = filled(model, lengths, steps, dtype)
+    for caches in (batch.caches, ref):  # warm-up (kernels compile), then back to the start
+        generate(model, caches, first, 2)
+        for c in caches:
+            c.trim(2)
+    s_ref, _, _ = generate(model, ref, first, steps)
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    s_paged, host, _ = generate(model, batch.caches, first, steps)
+    out.update(mlx_lm=len(lengths) * steps / s_ref, paged=len(lengths) * steps / s_paged,
+               host=host / (s_paged / steps), growth=(mx.get_peak_memory() - base) / 2**20)
+    batch.release()
+    del ref
+    mx.clear_cache()
+    return out
+
+
+def prefill_case(model, n: int, dtype) -> dict:
+    a = model.args
+    tokens = np.random.default_rng(2).integers(0, 32000, n + 1).tolist()
+    out = {}
+    for side in ("mlx_lm", "paged"):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        if side == "paged":
+            pool = PagePool(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+                            page_size=PS, dtype=dtype, num_pages=-(-(n + 1) // PS) + 1)
+            cache = make_paged_cache(model, pool)
+        else:
+            cache = make_prompt_cache(model)
+        mx.synchronize()
+        t = time.perf_counter()
+        prefill(model, cache, tokens[:-1], 2048)
+        tok = mx.argmax(model(mx.array(tokens[-1:])[None], cache=cache)[0, -1])
+        mx.eval(tok)
+        out[side] = n / (time.perf_counter() - t)
+        out[side + "_peak"] = mx.get_peak_memory()
+        out[side + "_tok"] = int(tok.item())
+        if side == "paged":
+            cache.release()
+        del cache
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--prefill", default="1024,4096,16384", help="B=1 prefill lengths ('' for none)")
+    ap.add_argument("--steps", type=int, default=32)
+    args = ap.parse_args()
+    dtype = getattr(mx, args.dtype)
+    model = model_of(args.model, dtype)
+    print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, {args.dtype}, "
+          f"{args.steps} greedy decode steps per case", flush=True)
+    print(f"{'B':>3} {'context':>7} {'lengths':>7} {'mlx-lm tok/s':>13} {'paged tok/s':>12} {'paged/mlx-lm':>13} "
+          f"{'host share':>11} {'paged peak +MiB':>16}", flush=True)
+    rng = np.random.default_rng(0)
+    for ctx in [int(x) for x in args.contexts.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            for kind in ("equal", "ragged"):
+                if kind == "ragged" and b == 1:
+                    continue
+                lengths = [ctx] * b if kind == "equal" else rng.integers(ctx // 8, ctx + 1, b).tolist()
+                r = decode_case(model, lengths, args.steps, dtype)
+                print(f"{b:>3} {ctx:>7} {kind:>7} {r['mlx_lm']:>13.1f} {r['paged']:>12.1f} "
+                      f"{r['paged'] / r['mlx_lm']:>12.2f}x {r['host']:>10.0%} {r['growth']:>16.1f}", flush=True)
+    if args.prefill:
+        print(f"\n{'prefill N':>9} {'mlx-lm tok/s':>13} {'paged tok/s':>12} {'paged/mlx-lm':>13} "
+              f"{'mlx-lm peak GiB':>16} {'paged peak GiB':>15} {'same token':>11}", flush=True)
+        for n in [int(x) for x in args.prefill.split(",")]:
+            r = prefill_case(model, n, dtype)
+            print(f"{n:>9} {r['mlx_lm']:>13.0f} {r['paged']:>12.0f} {r['paged'] / r['mlx_lm']:>12.2f}x "
+                  f"{r['mlx_lm_peak'] / 2**30:>16.2f} {r['paged_peak'] / 2**30:>15.2f} "
+                  f"{str(r['mlx_lm_tok'] == r['paged_tok']):>11}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
