@@ -58,6 +58,11 @@ def chain_digest(parent: bytes, page_tokens: bytes) -> bytes:
     return hashlib.blake2b(parent + page_tokens, digest_size=_DIGEST).digest()
 
 
+def _token_record(page_tokens: bytes) -> str:
+    """How a page file records its token ids (JSON), for writing and for comparing."""
+    return json.dumps(np.frombuffer(page_tokens, dtype="<i8").tolist())
+
+
 def root_digest(extra: bytes) -> bytes:
     return hashlib.blake2b(b"pagedkv.root\0" + extra, digest_size=_DIGEST).digest()
 
@@ -67,7 +72,7 @@ class DiskTierStats:
     spilled: int = 0  # pages queued for writing
     written: int = 0  # page files written
     dropped: int = 0  # pages not spilled: the write queue was full, or a write failed
-    restored: int = 0  # pages read back into the pool
+    restored: int = 0  # pages handed back by ``load`` (to be written into the pool)
     bad_files: int = 0  # files that failed a check (deleted)
     deleted: int = 0  # files deleted to stay under max_bytes
     bytes_written: int = 0
@@ -139,7 +144,7 @@ class DiskTier:
         for j, i in enumerate(todo):
             one = {name: arr[j : j + 1] for name, arr in data.items()}
             meta = {"kind": "tier", "digest": digests[i].hex(), "parent": parents[i].hex(),
-                    "tokens": json.dumps(np.frombuffer(tokens[i], dtype="<i8").tolist())}
+                    "tokens": _token_record(tokens[i])}
             key = digests[i].hex()
             with self._lock:
                 self._pending[key] = (one, meta)
@@ -171,14 +176,14 @@ class DiskTier:
                 self._drop_bad(key, e)
                 return None
             self.stats.bytes_read += sum(a.nbytes for a in data.values())
-        want = json.dumps(np.frombuffer(tokens, dtype="<i8").tolist())
-        if meta.get("digest") != key or meta.get("parent") != parent.hex() or meta.get("tokens") != want \
-                or meta.get("pages") != "1":
+        if meta.get("digest") != key or meta.get("parent") != parent.hex() \
+                or meta.get("tokens") != _token_record(tokens) or meta.get("pages") != "1":
             self._drop_bad(key, InvalidValueError("its digest, parent or token ids are not the request's"))
             return None
         with self._lock:
             if key in self._files:
                 self._files.move_to_end(key)
+        self.stats.restored += 1
         return data
 
     def _drop_bad(self, key: str, why: Exception) -> None:

@@ -16,8 +16,9 @@ metadata::
 ``read_pages_file`` validates in this order and raises before anything is loaded:
 bytes and header (``CorruptKvFileError``), format and version (``KvFileVersionError``),
 layout and model (``KvFileMismatchError``), tensor names, dtypes and shapes against the
-pool, then every page's checksum (``CorruptKvFileError``). No MLX here: a background
-writer thread may call ``write_pages_file``.
+pool, then every page's checksum (``CorruptKvFileError``). A ``PageFileSpec`` is made
+from the pool on its owner thread; reading and writing files then touch no MLX array,
+so a background writer thread may call ``write_pages_file``.
 """
 
 from __future__ import annotations
@@ -26,10 +27,12 @@ import json
 import os
 import zlib
 
+import mlx.core as mx
 import numpy as np
 
 from pagedkv import safetensors_file
 from pagedkv.errors import CorruptKvFileError, KvFileMismatchError, KvFileVersionError
+from pagedkv.pool import host_dtype
 
 FORMAT = "pagedkv.pages"
 VERSION = 1
@@ -42,14 +45,9 @@ class PageFileSpec:
         self.layout = pool.layout_description()
         self.layout_json = json.dumps(self.layout, sort_keys=True)
         self.model = model
-        self.arrays = [(name, shape[1:], _np_dtype(dtype), "BF16" if "bfloat16" in str(dtype) else None)
+        self.arrays = [(name, shape[1:], host_dtype(dtype), "BF16" if dtype == mx.bfloat16 else None)
                        for name, shape, dtype in pool.page_arrays()]
         self.bytes_per_page = sum(int(np.prod(s)) * d.itemsize for _, s, d, _ in self.arrays)
-
-
-def _np_dtype(dtype) -> np.dtype:
-    name = str(dtype).split(".")[-1]
-    return np.dtype(np.uint16 if name == "bfloat16" else name)
 
 
 def page_checksums(data: dict[str, np.ndarray], spec: PageFileSpec, n: int) -> list[str]:

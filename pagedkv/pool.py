@@ -307,8 +307,8 @@ class PagePool:
 
     def page_arrays(self) -> list[tuple[str, tuple[int, ...], mx.Dtype]]:
         """(name, shape of one page [1, kv_heads, page_size, width], dtype) of every array a
-        page is stored in: each
-        layer's K codec components, then its V components (names ``L3.K0``, ``L3.V1``)."""
+        page is stored in: each layer's K codec components, then its V components (names
+        ``L3.K0``, ``L3.V1``), the order of ``storage``."""
         out = []
         for layer in range(self.num_layers):
             for side, arrays in (("K", self._k[layer]), ("V", self._v[layer])):
@@ -324,7 +324,7 @@ class PagePool:
         take = mx.array(self.array_rows(ids).T.reshape(-1).astype(np.int32))  # page-major rows
         parts = []
         for layer in range(self.num_layers):
-            for a in self._k[layer] + self._v[layer]:
+            for a in self.storage(layer):
                 part = mx.take(a, take, axis=0)
                 parts.append(part.view(mx.uint16) if part.dtype == mx.bfloat16 else part)
         mx.eval(parts)  # now, so no read of the pool outlives this call
@@ -338,10 +338,7 @@ class PagePool:
         holds (IN_USE). Every array is checked against ``page_arrays`` first; a refusal
         (``KvShapeError``, ``InvalidValueError``) writes nothing. O(bytes)."""
         ids = self.allocator.checked_ids(pages)
-        if np.unique(ids).size != ids.size:
-            raise InvalidValueError("write_pages targets a page twice")
-        if any(self.allocator.page_state(int(p)) != PageState.IN_USE for p in ids):
-            raise InvalidValueError("write_pages writes only into pages the caller holds (IN_USE)")
+        self._check_targets(ids, "write_pages")
         specs = self.page_arrays()
         if set(data) != {name for name, _, _ in specs}:
             raise KvShapeError(f"write_pages needs exactly the arrays {[n for n, _, _ in specs[:4]]}...")
@@ -349,19 +346,25 @@ class PagePool:
         for name, shape, dtype in specs:
             arr = data[name]
             want = (ids.size, self.num_kv_heads, *shape[2:])
-            raw = np.uint16 if dtype == mx.bfloat16 else None
-            if tuple(arr.shape) != want or (raw is not None and arr.dtype != raw) or \
-                    (raw is None and arr.dtype != np.dtype(str(dtype).split(".")[-1])):
+            if tuple(arr.shape) != want or arr.dtype != host_dtype(dtype):
                 raise KvShapeError(f"{name}: expected {dtype} {want}, got {arr.dtype} {tuple(arr.shape)}")
             block = mx.array(np.ascontiguousarray(arr).reshape(-1, *shape[2:]))
-            blocks.append(block.view(mx.bfloat16) if raw is not None else block)
+            blocks.append(block.view(mx.bfloat16) if dtype == mx.bfloat16 else block)
         rows = mx.array(self.array_rows(ids).T.reshape(-1).astype(np.int32))  # page-major, as the data
         it = iter(blocks)
         for layer in range(self.num_layers):
             self._settle_reads(layer)
-            for a in self._k[layer] + self._v[layer]:
+            for a in self.storage(layer):
                 a[rows] = next(it)
         mx.eval(self._k, self._v)
+
+    def _check_targets(self, ids: np.ndarray, what: str) -> None:
+        """Pages a write may target: distinct, and held by the caller (IN_USE)."""
+        if np.unique(ids).size != ids.size:
+            raise InvalidValueError(f"{what} targets a page twice")
+        if any(self.allocator.page_state(int(p)) != PageState.IN_USE for p in ids):
+            raise InvalidValueError(f"{what} writes only into pages the caller holds (IN_USE), "
+                                    "never into the null page or a free or cached page")
 
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages ``src`` onto pages ``dst`` in every layer (copy-on-write).
@@ -375,16 +378,12 @@ class PagePool:
             raise InvalidValueError(f"copy_pages got {src.size} source and {dst.size} target pages")
         if src.size == 0:
             return
-        if np.unique(dst).size != dst.size:
-            raise InvalidValueError("copy_pages targets a page twice")
-        if any(alloc.page_state(int(p)) != PageState.IN_USE for p in dst):
-            raise InvalidValueError("copy_pages writes only into pages the caller holds (IN_USE), "
-                                    "never into the null page or a free or cached page")
+        self._check_targets(dst, "copy_pages")
         s = mx.array(self.array_rows(src).reshape(-1).astype(np.int32))
         d = mx.array(self.array_rows(dst).reshape(-1).astype(np.int32))
         for layer in range(self.num_layers):
             self._settle_reads(layer)
-            arrays = self._k[layer] + self._v[layer]
+            arrays = self.storage(layer)
             blocks = [mx.take(a, s, axis=0) for a in arrays]
             mx.eval(blocks)  # detach the reads from the layer arrays so the writes donate
             for a, blk in zip(arrays, blocks):
@@ -398,6 +397,12 @@ class PagePool:
             f"k={self.k_codec.label()}, v={self.v_codec.label()}, "
             f"{self.nbytes / 2**20:.1f} MiB)"
         )
+
+
+def host_dtype(dtype: mx.Dtype) -> np.dtype:
+    """The numpy dtype ``read_pages`` gives an MLX dtype as: the same type, except
+    bfloat16 (which numpy lacks), given as its uint16 bit patterns."""
+    return np.dtype(np.uint16) if dtype == mx.bfloat16 else np.dtype(str(dtype).split(".")[-1])
 
 
 def raise_cache_limit(nbytes: int) -> int:

@@ -170,7 +170,7 @@ class PrefixCache:
         if not chain:
             return []
         try:
-            pages = self.pool.allocator.allocate(len(chain))
+            pages = [int(p) for p in self.pool.allocator.allocate(len(chain))]
         except PoolExhausted:
             return []
         found = []
@@ -184,12 +184,15 @@ class PrefixCache:
             pages = pages[: len(found)]
         if not found:
             return []
-        self.pool.write_pages(pages, {n: np.concatenate([d[n] for d in found]) if len(found) > 1 else found[0][n]
-                                      for n in found[0]})
-        self._register([int(p) for p in pages], start, keys)
-        self.disk.stats.restored += len(pages)
+        try:
+            self.pool.write_pages(pages, {n: np.concatenate([d[n] for d in found]) if len(found) > 1 else found[0][n]
+                                          for n in found[0]})
+            self._register(pages, start, keys)
+        except BaseException:  # (refusals change nothing; give the new pages back)
+            self.pool.allocator.decref(pages)
+            raise
         self._disk_hit_pages += len(pages)
-        return [int(p) for p in pages]
+        return pages
 
     # ------------------------------------------------------------------ lookups
     def match(self, tokens: TokensOrKeys) -> list[int]:

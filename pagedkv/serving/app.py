@@ -76,9 +76,10 @@ def create_app(engine: EngineThread, lm: LoadedModel, *, default_max_tokens: int
             return lm.chat_tokens(list(req.messages))
         if isinstance(req.prompt, str):
             return lm.encode(req.prompt)
-        bad = [t for t in req.prompt if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise ApiError(400, f"token ids must be in [0, {limits.vocab_size}), got {bad[:4]}", param="prompt")
+        try:
+            limits.check_tokens(req.prompt)
+        except InvalidValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
         return list(req.prompt)
 
     async def generate(request: Request, parse) -> Response:

@@ -93,6 +93,12 @@ class EngineLimits:
     def max_request_tokens(self) -> int:
         return min(self.max_model_len, self.max_pool_tokens)
 
+    def check_tokens(self, ids: list[int]) -> None:
+        """``InvalidValueError`` unless every id is an int in [0, vocab_size)."""
+        bad = [t for t in ids if t.__class__ is not int or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidValueError(f"token ids must be ints in [0, {self.vocab_size}), got {bad[:4]}")
+
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """``RequestTooLarge`` unless ``prompt_tokens + max_tokens`` can ever be served."""
         total = prompt_tokens + max_tokens
@@ -206,9 +212,7 @@ class Engine:
             raise InvalidTypeError(f"params must be SamplingParams, got {type(req.params).__name__}")
         if not isinstance(req.prompt, list) or not req.prompt:
             raise InvalidValueError("the prompt must be a non-empty list of token ids")
-        vocab = self.limits.vocab_size
-        if any(t.__class__ is not int or not 0 <= t < vocab for t in req.prompt):
-            raise InvalidValueError(f"prompt token ids must be ints in [0, {vocab})")
+        self.limits.check_tokens(req.prompt)
         self.limits.check(len(req.prompt), req.params.max_tokens)
         req.stream = TextStream(self.decode, req.params.stop)
         self._ids[req.rid] = req
@@ -223,8 +227,6 @@ class Engine:
         req = self._ids.get(rid)
         if req is None or req.finish_reason is not None:
             return False
-        if req in self.waiting:
-            self.waiting.remove(req)
         self._finish(req, "abort", "")
         return True
 
@@ -246,8 +248,7 @@ class Engine:
         from an empty batch (the pages of every row are released)."""
         for req in list(self._ids.values()):
             if req.finish_reason is None:
-                req.finish_reason = "error"
-                self.metrics.finished(req, "error")
+                self._end(req, "error")
                 self._deliver(req, Delta(req.rid, "", (), "error", self._usage(req), message))
         for job in list(self.prefilling):
             self.prefilling.remove(job)
@@ -405,12 +406,19 @@ class Engine:
             self._deliver(req, Delta(req.rid, text, (token,)))
 
     def _finish(self, req: GenerationRequest, reason: str, text: str, ids: tuple[int, ...] = ()) -> None:
-        """The request's last delta. A running row stays in the batch until ``_retire``."""
+        """End ``req`` and send its last delta."""
+        self._end(req, reason)
+        self._deliver(req, Delta(req.rid, text, ids, reason, self._usage(req)))
+
+    def _end(self, req: GenerationRequest, reason: str) -> None:
+        """Mark ``req`` ended: a waiting request leaves the queue; a running row or a
+        prefill stays until ``_retire`` gives its pages back (and keeps its id until then)."""
         req.finish_reason = reason
+        self.metrics.finished(req, reason)
+        if req in self.waiting:
+            self.waiting.remove(req)
         if req not in self.running:
             self._ids.pop(req.rid, None)
-        self.metrics.finished(req, reason)
-        self._deliver(req, Delta(req.rid, text, ids, reason, self._usage(req)))
 
     def _usage(self, req: GenerationRequest) -> Usage:
         return Usage(len(req.prompt), len(req.generated), req.cached_tokens or 0)
@@ -420,12 +428,7 @@ class Engine:
             req.sink(delta)
         except Exception:  # a sink that fails has lost its client: stop generating for it
             if req.finish_reason is None:
-                req.finish_reason = "abort"
-                self.metrics.finished(req, "abort")
-                if req in self.waiting:
-                    self.waiting.remove(req)
-                if req not in self.running:
-                    self._ids.pop(req.rid, None)
+                self._end(req, "abort")
 
     def _retire(self) -> None:
         """Rows and prefills whose request ended leave; their full pages are registered."""

@@ -107,14 +107,14 @@ def _common(body: dict, kind: str, served: str) -> dict:
     top_p = _get(body, "top_p", (int, float), 1.0)
     stop = body.get("stop")
     try:  # the same checks the engine makes, answered as 400s naming the parameter
-        SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1,
-                       temperature=temperature, top_p=top_p, stop=stop)
+        checked = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1,
+                                 temperature=temperature, top_p=top_p, stop=stop)
     except (InvalidValueError, InvalidTypeError) as e:
         text = str(e)
         param = next((p for p in ("max_tokens", "temperature", "top_p", "stop") if text.startswith(p)), None)
         raise _bad(text.replace("max_tokens", limit, 1) if param == "max_tokens" else text, param) from None
     return dict(model=model, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                stop=SamplingParams(1, stop=stop).stop, stream=stream,
+                stop=checked.stop, stream=stream,
                 include_usage=bool(stream and _get(options, "include_usage", (bool,), False)))
 
 

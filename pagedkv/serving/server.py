@@ -93,8 +93,7 @@ def model_fingerprint(lm) -> str:
     for name, w in tree_flatten(lm.model.parameters()):
         flat = w.reshape(-1)
         sample = flat[:: max(1, flat.size // 64)][:64]
-        h.update(name.encode() + bytes(memoryview(mx.array(sample).view(mx.uint8) if sample.dtype != mx.bfloat16
-                                                  else sample.view(mx.uint16).view(mx.uint8))))
+        h.update(name.encode() + bytes(memoryview(sample.view(mx.uint8))))  # (any dtype, bfloat16 too)
     return f"{lm.name}:{h.hexdigest()}"
 
 
