@@ -8,6 +8,8 @@
   attention reads the pages directly.
 - :class:`KvAttentionView`, :data:`SharedKv` (:class:`PlainKv`, :class:`QuantKv`,
   :class:`ViewKv`), :class:`ForwardPass`, :class:`KvSharingPlan`: the donor/sharer contract.
+- :class:`StatePool`, :class:`PagedStateCache`: hybrid models' recurrent-layer state
+  (mlx-lm ``ArraysCache`` layers) in slots that live and die with the rows.
 - :class:`DonorCache`: run an mlx-lm model through a ForwardPass; :class:`DrafterKv`:
   a speculative drafter's views of the target's K/V.
 """
@@ -38,16 +40,22 @@ from pagedkv.errors import (
 )
 from pagedkv.forward_pass import ForwardPass
 from pagedkv.pool import PagePool, raise_cache_limit
+from pagedkv.pool_factory import pools_for_model
 from pagedkv.prefix import PrefixCache, PrefixStats
 from pagedkv.prefix_keys import PrefixKeys
 from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 from pagedkv.scheduling import can_admit, pages_for, preempt
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.sharing_plan import KvSharingPlan
+from pagedkv.state_cache import PagedStateCache
+from pagedkv.state_pool import StatePool
 from pagedkv.table import PageTable
 from pagedkv.view import KvAttentionView
 
 __all__ = [
+    "StatePool",
+    "pools_for_model",
+    "PagedStateCache",
     "PrefixCache",
     "PrefixKeys",
     "DiskTier",

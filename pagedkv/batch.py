@@ -18,6 +18,8 @@ Per layer, ``PagedBatchKVCache`` follows the batched cache protocol mlx-lm's mod
 [B, kv_heads, W, D] with each row's tokens left-aligned (W = the longest row rounded up to
 a page), and ``make_mask`` masks every row to its own causal range. Every page kind
 works, as for one sequence (affine pages with one codec give mlx-lm's quantised path).
+A hybrid model's recurrent layers get ``PagedStateCache`` faces (:mod:`pagedkv.state_cache`);
+each row's state slot joins and leaves with the row.
 
 Ownership: the batch owns its rows from ``extend`` until ``extract``, ``filter`` or
 ``release``. A step that cannot get pages for every row raises ``PoolExhausted`` and
@@ -29,7 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.cache import LayerFace, PagedPromptCache, layout_for
+from pagedkv.cache import LayerFace, PagedPromptCache, layer_faces, layout_for
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -39,6 +41,7 @@ from pagedkv.errors import (
 )
 from pagedkv.pool import PagePool
 from pagedkv.row_set import LayerLayout, RowSet
+from pagedkv.state_pool import StatePool
 
 
 class PagedBatch:
@@ -54,15 +57,16 @@ class PagedBatch:
             raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
         self.rows = RowSet(layout)
         self.pool = layout.specs[0].pool
-        self.caches = [PagedBatchKVCache(self, i) for i in range(layout.num_layers)]
+        self.caches = layer_faces(self.rows, lambda rows, i: PagedBatchKVCache(self, i))
 
     @classmethod
-    def for_model(cls, model, pool: PagePool) -> PagedBatch:
+    def for_model(cls, model, pool: PagePool, *, state_pool: StatePool | None = None) -> PagedBatch:
         """A batch for ``model``'s layers in ``pool`` (routes its attention, as
-        ``make_paged_cache`` does)."""
+        ``make_paged_cache`` does); a hybrid model's recurrent state goes to
+        ``state_pool``."""
         from pagedkv.attention_routing import route_attention
 
-        layout = layout_for(model, pool)
+        layout = layout_for(model, pool, state_pool=state_pool)
         if any(spec.window is not None for spec in layout.specs):
             raise NotSupportedError("PagedBatch serves full-attention models (no sliding windows)")
         route_attention(model)

@@ -42,6 +42,7 @@ from pagedkv.errors import (
 from pagedkv.pool import PagePool
 from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 from pagedkv.shared import SharedKv
+from pagedkv.state_pool import StatePool
 from pagedkv.table import PageTable
 from pagedkv.visibility import attention_mask, window_start
 
@@ -270,7 +271,7 @@ class PagedPromptCache(list):
     def of_rows(cls, rows: RowSet) -> PagedPromptCache:
         if rows.num_rows != 1:
             raise InvalidValueError(f"a prompt cache holds one sequence, got {rows.num_rows} rows")
-        return cls([PagedKVCache(rows, i) for i in range(rows.layout.num_layers)])
+        return cls(layer_faces(rows, PagedKVCache))
 
     @classmethod
     def of_layers(cls, pool: PagePool, num_layers: int | None = None,
@@ -308,10 +309,22 @@ class PagedPromptCache(list):
             self.release()
 
 
-def _layer_windows(model, max_kv_size: int | None) -> list[int | None]:
-    """Per cache slot: None (full attention) or the sliding-window size, from the model."""
+def layer_faces(rows: RowSet, kv_face) -> list:
+    """The per-slot caches of ``rows`` in the model's cache order: ``kv_face(rows, i)``
+    for attention layer i, a ``PagedStateCache`` for each recurrent layer."""
+    from pagedkv.state_cache import PagedStateCache
+
+    return [kv_face(rows, i) if kind == "kv" else PagedStateCache(rows, i) for kind, i in rows.layout.slot_kinds()]
+
+
+_RECURRENT = "recurrent"
+
+
+def _layer_windows(model, max_kv_size: int | None) -> list[int | None | str]:
+    """Per cache slot: None (full attention), the sliding-window size, or "recurrent"
+    (an ``ArraysCache`` layer of a hybrid model), from the model."""
     if hasattr(model, "make_cache"):
-        windows = []
+        windows: list[int | None | str] = []
         for c in model.make_cache():
             kind = type(c).__name__
             if kind == "KVCache":
@@ -320,24 +333,39 @@ def _layer_windows(model, max_kv_size: int | None) -> list[int | None]:
                 if getattr(c, "keep", 0):
                     raise NotSupportedError("rotating caches with keep > 0 are not supported")
                 windows.append(c.max_size)
+            elif kind == "ArraysCache":
+                windows.append(_RECURRENT)
             else:
-                raise NotSupportedError(f"model asks for a {kind}; pagedkv pages KVCache and RotatingKVCache")
+                raise NotSupportedError(f"model asks for a {kind}; pagedkv pages KVCache and RotatingKVCache "
+                                        "and keeps ArraysCache state in a StatePool")
         return windows
     return [max_kv_size] * len(model.layers)
 
 
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
-               max_kv_size: int | None = None) -> LayerLayout:
+               max_kv_size: int | None = None, state_pool: StatePool | None = None) -> LayerLayout:
     """The layer layout of ``model``'s caches: full-attention layers share one table spec
     in ``pool``; each sliding-window size gets its own (in ``sliding_pool`` if given,
     whose layers are numbered in order of the sliding layers; the full layers then take
-    ``pool``'s layers in order). Without ``sliding_pool``, cache slot i uses layer i."""
+    ``pool``'s layers in order). Without ``sliding_pool``, attention layer i (the i-th
+    cache slot that is not recurrent) uses layer i. A hybrid model's recurrent layers
+    keep their state in ``state_pool`` (``StatePool.for_model(model, ...)``)."""
     if not isinstance(pool, PagePool) or (sliding_pool is not None and not isinstance(sliding_pool, PagePool)):
         raise InvalidTypeError("pool and sliding_pool must be PagePools")
+    if state_pool is not None and not isinstance(state_pool, StatePool):
+        raise InvalidTypeError(f"state_pool must be a StatePool, got {type(state_pool).__name__}")
+    windows = _layer_windows(model, max_kv_size)
+    state_slots = tuple(i for i, w in enumerate(windows) if w == _RECURRENT)
+    if state_slots and state_pool is None:
+        raise NotSupportedError(f"the model has {len(state_slots)} recurrent layers: pass "
+                                "state_pool=StatePool.for_model(model, num_slots=...)")
+    if state_pool is not None and len(state_slots) != state_pool.num_layers:
+        raise InvalidValueError(f"the model has {len(state_slots)} recurrent layers, the state pool "
+                                f"{state_pool.num_layers}")
     specs: list[TableSpec] = []
     layers = []
     n_full = n_sliding = 0
-    for i, w in enumerate(_layer_windows(model, max_kv_size)):
+    for i, w in enumerate(w for w in windows if w != _RECURRENT):
         if w is None:
             spec, layer = TableSpec(pool, None), (n_full if sliding_pool is not None else i)
             n_full += 1
@@ -348,7 +376,7 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
         if spec not in specs:
             specs.append(spec)
         layers.append((specs.index(spec), layer))
-    return LayerLayout(tuple(specs), tuple(layers))
+    return LayerLayout(tuple(specs), tuple(layers), state_slots, state_pool if state_slots else None)
 
 
 def make_paged_cache(
@@ -357,13 +385,15 @@ def make_paged_cache(
     *,
     sliding_pool: PagePool | None = None,
     max_kv_size: int | None = None,
+    state_pool: StatePool | None = None,
 ) -> PagedPromptCache:
     """The paged twin of ``mlx_lm.models.cache.make_prompt_cache`` for one sequence
-    (layout: ``layout_for``). Also routes the model's attention through the caches
-    (``route_attention``), so decode steps read the pages directly."""
+    (layout: ``layout_for``; a hybrid model's recurrent layers need ``state_pool``).
+    Also routes the model's attention through the caches (``route_attention``), so
+    decode steps read the pages directly."""
     from pagedkv.attention_routing import route_attention
 
     cache = PagedPromptCache.of_rows(RowSet.new_row(layout_for(model, pool, sliding_pool=sliding_pool,
-                                                              max_kv_size=max_kv_size)))
+                                                              max_kv_size=max_kv_size, state_pool=state_pool)))
     route_attention(model)
     return cache

@@ -12,6 +12,8 @@ from typing import Iterable, Iterator
 import attrs
 import mlx.core as mx
 
+from pagedkv.errors import InvalidValueError
+
 
 @attrs.define
 class GenerationStats:
@@ -41,11 +43,25 @@ def written_state(cache) -> list[mx.array]:
     return out
 
 
-def prefill(model, cache, tokens: list[int], chunk: int = 512) -> None:
-    """Write ``tokens`` into ``cache`` in chunks of ``chunk`` tokens, computing no logits."""
-    for i in range(0, len(tokens), chunk):
-        model(mx.array(tokens[i : i + chunk])[None], cache=cache)
+def prefill(model, cache, tokens: list[int], chunk: int = 512, *, prefix=None, keys=None) -> None:
+    """Write ``tokens`` into ``cache`` in chunks of ``chunk`` tokens, computing no logits.
+
+    With a ``PrefixCache`` ``prefix`` and the sequence's ``keys`` (its ``PrefixKeys`` or
+    all its token ids), each chunk's full pages are registered after it, and on a hybrid
+    model chunks stop at checkpoint boundaries (``PrefixCache.aligned_take``), so later
+    requests can start from the recurrent state there."""
+    if prefix is not None and keys is None:
+        raise InvalidValueError("prefill with a prefix cache needs the sequence's keys (or token ids)")
+    i = 0
+    while i < len(tokens):
+        take = min(chunk, len(tokens) - i)
+        if prefix is not None:
+            take = prefix.aligned_take(cache.num_tokens, take)
+        model(mx.array(tokens[i : i + take])[None], cache=cache)
         mx.eval(written_state(cache))
+        if prefix is not None:
+            prefix.register(cache, keys)
+        i += take
 
 
 def sample(logits: mx.array, temperature: float) -> mx.array:

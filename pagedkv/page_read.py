@@ -44,6 +44,7 @@ class PageRead:
     width: int  # gathered tokens per row (a multiple of the page size)
     table: mx.array  # int32 [B, width / page_size] page ids, null-padded
     index: mx.array  # int32 take-indices into the layer arrays (PagePool.gather_index)
+    _kernel_ranges: list = attrs.field(factory=list, eq=False, repr=False)  # made once, for every layer
 
     @classmethod
     def of(cls, pool: PagePool, tables: Sequence[PageTable], lo: np.ndarray, hi: np.ndarray) -> PageRead:
@@ -81,10 +82,11 @@ class PageRead:
         ``parts(exact)`` if the caller already gathered them."""
         pool = self.pool
         if kernel and pool.kind.decode_kernel and paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
+            if not self._kernel_ranges:
+                self._kernel_ranges.extend((mx.array((self.hi - self.key_base).astype(np.int32)),
+                                            mx.array((self.lo - self.key_base).astype(np.int32))))
             return paged_decode.paged_decode(
-                q, *pool.layer_arrays(layer), self.table,
-                mx.array((self.hi - self.key_base).astype(np.int32)),
-                mx.array((self.lo - self.key_base).astype(np.int32)),
+                q, *pool.layer_arrays(layer), self.table, *self._kernel_ranges,
                 scale, num_pages=pool.num_pages, page_size=pool.page_size)
         k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)

@@ -25,6 +25,8 @@ MLX's command encoder keeps the buffers of in-flight kernels alive, which also b
 donation (measured on an H200: every write copied the layer, 0.5-1 ms and +1x the pool in
 peak memory, until ``mx.synchronize()``); the pool synchronises once per step, before the
 first layer it writes a second time, after which writes are flat (~90 us, no growth).
+(3) and (4) are :class:`~pagedkv.in_place_writes.InPlaceWrites`, shared with the
+recurrent-state pool.
 
 Costs: ``write`` is O(tokens written) (one scatter per layer per K and V); ``gather`` is
 O(pages read); ``copy_pages`` is O(pages * layers).
@@ -33,7 +35,6 @@ O(pages read); ``copy_pages`` is O(pages * layers).
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Sequence
 
 import mlx.core as mx
@@ -48,6 +49,7 @@ from pagedkv.errors import (
     KvShapeError,
     check_int,
 )
+from pagedkv.in_place_writes import InPlaceWrites
 from pagedkv.page_kind import PageKind, Parts
 
 DEFAULT_CACHE_LIMIT = 1 << 30
@@ -148,11 +150,7 @@ class PagePool:
         self._v = [arrays(self.v_codec, self.v_head_dim) for _ in range(self.num_layers)]
         mx.eval(self._k, self._v)
         self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.num_pages
-        self._reads: list[list[weakref.ref]] = [[] for _ in range(self.num_layers)]
-        if sync_before_rewrite is None:
-            sync_before_rewrite = mx.default_device() == mx.gpu
-        self._sync_before_rewrite = sync_before_rewrite
-        self._written: set[int] = set()  # layers written since the last synchronize
+        self._writes = InPlaceWrites(self.num_layers, sync_before_rewrite)  # one group per layer
         if cache_limit is not None:
             raise_cache_limit(cache_limit)
 
@@ -235,15 +233,7 @@ class PagePool:
         (``check_kv``) itself: the row set, once per layer of a step."""
         k_parts = self.k_codec.encode(keys)  # quantised pages: a token is encoded when written
         v_parts = self.v_codec.encode(values)
-        self._settle_reads(layer)
-        if self._sync_before_rewrite:
-            # GPU: kernels still in flight hold the layer's buffer, so MLX cannot donate it
-            # and the scatter would copy the whole layer. Waiting once per step (the first
-            # rewrite of any layer) releases them; measured in bench/gpu_attention.py.
-            if layer in self._written:
-                mx.synchronize()
-                self._written.clear()
-            self._written.add(layer)
+        self._writes.before_write(layer)  # (in place: see the module doc)
         for arr, part in zip(self._k[layer], k_parts):
             arr[rows, slots] = part
         for arr, part in zip(self._v[layer], v_parts):
@@ -259,9 +249,6 @@ class PagePool:
         them so a later write of this layer can settle them first (module doc).
         """
         n = index.shape[0] // (self.num_kv_heads * rows)  # pages per row
-        reads = self._reads[layer]
-        if len(reads) > 64:
-            reads[:] = [r for r in reads if r() is not None]
 
         def read(arrays: list[mx.array]) -> Parts:
             out = []
@@ -269,19 +256,10 @@ class PagePool:
                 x = mx.take(arr, index, axis=0).reshape(rows, self.num_kv_heads, n * self.page_size, arr.shape[-1])
                 if start or stop != n * self.page_size:
                     x = x[:, :, start:stop]
-                reads.append(weakref.ref(x))
-                out.append(x)
+                out.append(self._writes.track(layer, x))
             return tuple(out)
 
         return read(self._k[layer]), read(self._v[layer])
-
-    def _settle_reads(self, layer: int) -> None:
-        reads = self._reads[layer]
-        if reads:
-            alive = [a for a in (r() for r in reads) if a is not None]
-            reads.clear()
-            if alive:
-                mx.eval(alive)
 
     def layer_arrays(self, layer: int) -> tuple[mx.array, mx.array]:
         """The current K and V arrays of a full-precision layer, for a kernel that reads
@@ -353,7 +331,7 @@ class PagePool:
         rows = mx.array(self.array_rows(ids).T.reshape(-1).astype(np.int32))  # page-major, as the data
         it = iter(blocks)
         for layer in range(self.num_layers):
-            self._settle_reads(layer)
+            self._writes.settle(layer)
             for a in self.storage(layer):
                 a[rows] = next(it)
         mx.eval(self._k, self._v)
@@ -382,7 +360,7 @@ class PagePool:
         s = mx.array(self.array_rows(src).reshape(-1).astype(np.int32))
         d = mx.array(self.array_rows(dst).reshape(-1).astype(np.int32))
         for layer in range(self.num_layers):
-            self._settle_reads(layer)
+            self._writes.settle(layer)
             arrays = self.storage(layer)
             blocks = [mx.take(a, s, axis=0) for a in arrays]
             mx.eval(blocks)  # detach the reads from the layer arrays so the writes donate

@@ -1,20 +1,66 @@
-"""``pool_for``: a ``PagePool`` sized and shaped for a loaded model."""
+"""``pool_for``: a ``PagePool`` sized and shaped for a loaded model; ``pools_for_model``:
+the page pool and, for a hybrid model, the recurrent-state pool of any mlx-lm model,
+within one byte budget."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from pagedkv.codec import AffineQuant, rotated
+from pagedkv.errors import InvalidValueError, NotSupportedError, check_int
 from pagedkv.pool import PagePool
+from pagedkv.state_pool import StatePool
 
 
-def kv_dtype(model) -> mx.Dtype:
-    """The dtype a model's attention hands its cache (found by a one-token forward)."""
+def _probe(model) -> list:
+    """mlx-lm's own caches for ``model`` after a one-token forward."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
-    return cache[0].keys.dtype
+    return cache
+
+
+def _attention_caches(cache: list) -> list:
+    return [c for c in cache if getattr(c, "keys", None) is not None]
+
+
+def kv_dtype(model) -> mx.Dtype:
+    """The dtype a model's attention hands its cache (found by a one-token forward)."""
+    return _attention_caches(_probe(model))[0].keys.dtype
+
+
+def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
+                    state_slots: int | None = None) -> tuple[PagePool, StatePool | None]:
+    """A ``PagePool`` for ``model``'s attention layers (shapes and dtype from a one-token
+    forward on mlx-lm's own caches) and, for a hybrid model, a ``StatePool`` for its
+    recurrent layers, together within ``max_bytes``: ``state_slots`` slots (default 64:
+    running requests plus prefix checkpoints) come off the budget first, the rest is
+    pages. Full-attention (``KVCache``) layers only, as ``make_paged_cache`` lays them out.
+    """
+    check_int("max_bytes", max_bytes, minimum=1)
+    cache = _probe(model)
+    names = {type(c).__name__ for c in cache}
+    if not names <= {"KVCache", "ArraysCache"}:
+        raise NotSupportedError(f"pools_for_model sizes KVCache and ArraysCache layers, the model has {sorted(names)}")
+    attn = _attention_caches(cache)
+    if not attn:
+        raise NotSupportedError("the model has no attention layers to page")
+    states = None
+    if "ArraysCache" in names:
+        slots = 64 if state_slots is None else check_int("state_slots", state_slots, minimum=2)
+        states = StatePool.for_model(model, num_slots=slots)
+    elif state_slots is not None:
+        raise InvalidValueError("state_slots is for hybrid models; this one has no recurrent layers")
+    left = max_bytes - (states.nbytes if states is not None else 0)
+    _, heads, _, head_dim = attn[0].keys.shape
+    kv = dict(num_layers=len(attn), num_kv_heads=heads, head_dim=head_dim, v_head_dim=attn[0].values.shape[-1],
+              page_size=page_size, dtype=attn[0].keys.dtype)
+    per_page = PagePool(**kv, num_pages=2, cache_limit=None).bytes_per_page
+    if left < 2 * per_page:
+        raise InvalidValueError(f"max_bytes={max_bytes} leaves {max(left, 0)} bytes after the state slots: "
+                                f"fewer than 2 pages of {per_page}")
+    return PagePool(**kv, max_bytes=left), states
 
 
 def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, max_bytes: int | None = None,

@@ -15,6 +15,16 @@ each) and computes only the rest; at least its last token is always computed, so
 model yields logits. Sequences with different ``extra_keys`` (a model or adapter id, a
 salt) start from different roots and never share pages.
 
+Hybrid models (``state_pool``): a hit must also restore the recurrent state at the
+point it ends, so the cache keeps *checkpoints*: a sequence registered while its state
+stands on a checkpoint boundary (every ``checkpoint_every`` pages) leaves its state
+slot behind, filed under the node of the page that ends there. ``match`` then ends at
+the last page with a checkpoint, and ``new_cache`` starts the row from it (no copy:
+the row moves to a fresh slot at its first step). To have checkpoints, prefill in
+forwards cut at the boundaries (``aligned_take``; ``generation.prefill`` and the
+serving engine do) and register after each. Checkpoint slots are cacheable slots of
+the state pool's own allocator, evicted least recently used first like pages.
+
 Ownership: the prefix cache owns the key → page map and no references; pages are kept
 alive by the tables that hold them, or by the allocator's CACHED state.
 
@@ -44,6 +54,8 @@ from pagedkv.errors import (
 )
 from pagedkv.pool import PagePool
 from pagedkv.prefix_keys import PrefixKeys
+from pagedkv.row_set import RowSet
+from pagedkv.state_pool import StatePool
 from pagedkv.table import PageTable
 
 TokensOrKeys = Union[Sequence[int], PrefixKeys]
@@ -59,6 +71,8 @@ class PrefixStats:
     registered_pages: int
     cached_pages: int
     evictions: int
+    checkpoints: int = 0  # recurrent-state checkpoints kept (hybrid models)
+    cached_state_bytes: int = 0  # their bytes in the state pool, when no sequence holds them
 
     @property
     def token_hit_rate(self) -> float:
@@ -66,11 +80,24 @@ class PrefixStats:
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, *, extra_keys: bytes | str = b"", disk: DiskTier | None = None) -> None:
+    def __init__(self, pool: PagePool, *, extra_keys: bytes | str = b"", disk: DiskTier | None = None,
+                 state_pool: StatePool | None = None, checkpoint_every: int = 1) -> None:
         """``disk``: a ``DiskTier`` for ``pool`` that keeps evicted pages (module doc of
-        :mod:`pagedkv.disk_tier`); ``new_cache`` then continues a RAM hit from it."""
+        :mod:`pagedkv.disk_tier`); ``new_cache`` then continues a RAM hit from it.
+        ``state_pool``: a hybrid model's recurrent-state pool; a checkpoint is kept
+        every ``checkpoint_every`` pages (module doc)."""
         if disk is not None and (not isinstance(disk, DiskTier) or disk.pool is not pool):
             raise InvalidValueError("disk must be a DiskTier of the same pool")
+        if state_pool is not None and not isinstance(state_pool, StatePool):
+            raise InvalidTypeError(f"state_pool must be a StatePool, got {type(state_pool).__name__}")
+        if state_pool is not None and disk is not None:
+            raise NotSupportedError("the disk tier keeps K/V pages only; it does not serve hybrid models yet")
+        self.state_pool = state_pool
+        self.checkpoint_every = check_int("checkpoint_every", checkpoint_every, minimum=1)
+        self._checkpoint: dict[int, int] = {}  # node -> state slot after the page that made it
+        self._node_of_slot: dict[int, int] = {}
+        if state_pool is not None:
+            state_pool.allocator.evict_listeners.append(self._forget_checkpoints)
         self.pool = pool
         self.disk = disk
         self._digests: dict[int, tuple[bytes, bytes]] = {}  # node -> (its digest, its parent's); with disk
@@ -119,6 +146,28 @@ class PrefixCache:
             if key is not None:  # (pages another prefix cache registered have none here)
                 del by_key[key]
                 self._evictions += 1
+
+    def _forget_checkpoints(self, slots: list[int]) -> None:
+        """Evict listener of the state pool: drop the checkpoints of evicted slots."""
+        for slot in slots:
+            node = self._node_of_slot.pop(slot, None)
+            if node is not None:
+                del self._checkpoint[node]
+
+    @property
+    def checkpoint_tokens(self) -> int:
+        """Tokens between two recurrent-state checkpoints."""
+        return self.pool.page_size * self.checkpoint_every
+
+    def aligned_take(self, position: int, take: int) -> int:
+        """How many of the next ``take`` prompt tokens from ``position`` to run in one
+        forward: on a hybrid model, no further than the next checkpoint boundary (so a
+        registration after each forward leaves a checkpoint every ``checkpoint_every``
+        pages: forwards of at most that many pages are the cost); otherwise ``take``."""
+        if self.state_pool is None:
+            return take
+        step = self.checkpoint_tokens
+        return min(take, (position // step + 1) * step - position)
 
     def persist(self) -> int:
         """Queue every registered page that the disk tier lacks for writing (say, before
@@ -211,6 +260,10 @@ class PrefixCache:
                 break
             parent = node_of[page]
             pages.append(page)
+        if self.state_pool is not None:  # a hybrid hit ends where a state was kept
+            checkpoint = self._checkpoint
+            while pages and node_of[pages[-1]] not in checkpoint:
+                pages.pop()
         keys.nodes = [node_of[page] for page in pages]
         return pages
 
@@ -223,10 +276,13 @@ class PrefixCache:
         if keys.num_tokens == 0:
             raise InvalidValueError("a request needs at least one token")
         pages = self.match(keys)
-        cache = make_paged_cache(model, self.pool)
+        cache = make_paged_cache(model, self.pool, state_pool=self.state_pool)
         if len(cache.tables) != 1 or cache.tables[0].window is not None:
             cache.release()
             raise NotSupportedError("prefix caching serves full-attention models")
+        if (cache.rows.states is None) != (self.state_pool is None):
+            cache.release()
+            raise InvalidValueError("a prefix cache with a state_pool serves hybrid models, and only those")
         self._queries += 1
         self._query_tokens += keys.num_tokens
         if pages:
@@ -240,7 +296,11 @@ class PrefixCache:
                 cache.release()
                 raise
         if pages:
-            cache.rows.adopt_prefix(pages)
+            slot = None
+            if self.state_pool is not None:
+                slot = self._checkpoint[self._node_of_page[pages[-1]]]
+                self.state_pool.allocator.touch([slot])  # the row's reference; revives a CACHED slot
+            cache.rows.adopt_prefix(pages, state_slot=slot)
             self._hit_pages += len(pages)
             self._hit_tokens += len(pages) * self.pool.page_size
         if isinstance(tokens, PrefixKeys):
@@ -258,10 +318,36 @@ class PrefixCache:
         ``keys.truncate`` before extending it again. Its known nodes are trusted, so keys
         that ran ahead of a trim would file the new pages under the old prefix."""
         if isinstance(table, PagedPromptCache):
-            table.rows.check_alive()
-            if len(table.tables) != 1:
-                raise NotSupportedError("prefix caching serves full-attention models (one page table)")
-            table = table.tables[0]
+            return self.register_row(table.rows, 0, tokens)
+        return self._register_table(table, tokens)
+
+    def register_row(self, rows: RowSet, row: int, tokens: TokensOrKeys) -> int:
+        """``register`` for row ``row`` of a row set (a ``PagedBatch``'s ``rows``, a
+        prompt cache's). On a hybrid model, when the row's recurrent state stands on a
+        checkpoint boundary at the end of its full pages, its state slot is kept as the
+        checkpoint there (the row moves off it at its next step)."""
+        if not isinstance(rows, RowSet):
+            raise InvalidTypeError(f"rows must be a RowSet, got {type(rows).__name__}")
+        rows.check_alive()
+        row = check_int("row", row, minimum=0, maximum=rows.num_rows - 1)
+        if len(rows.layout.specs) != 1:
+            raise NotSupportedError("prefix caching serves full-attention models (one page table)")
+        table = rows.tables(0)[row]
+        keys = self._keys_of(tokens)
+        added = self._register_table(table, keys)
+        states, n = rows.states, table.num_tokens
+        if (self.state_pool is not None and states is not None and states.pool is self.state_pool
+                and n and n % self.checkpoint_tokens == 0 and not states.in_step
+                and (states.tokens[:, row] == n).all() and len(keys.nodes) >= n // self.pool.page_size):
+            node = keys.nodes[n // self.pool.page_size - 1]
+            if node not in self._checkpoint:
+                slot = states.checkpoint(row)
+                if slot is not None:
+                    self._checkpoint[node] = slot
+                    self._node_of_slot[slot] = node
+        return added
+
+    def _register_table(self, table: PageTable, tokens: TokensOrKeys) -> int:
         if not isinstance(table, PageTable):
             raise InvalidTypeError(f"register takes a PageTable or PagedPromptCache, got {type(table).__name__}")
         if table.released:
@@ -359,6 +445,9 @@ class PrefixCache:
             queries=self._queries, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
             hit_pages=self._hit_pages, disk_hit_pages=self._disk_hit_pages, registered_pages=len(self._by_key),
             cached_pages=self.pool.allocator.num_cached(), evictions=self._evictions,
+            checkpoints=len(self._checkpoint),
+            cached_state_bytes=0 if self.state_pool is None
+            else self.state_pool.allocator.num_cached() * self.state_pool.bytes_per_slot,
         )
 
 

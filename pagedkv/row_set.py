@@ -7,10 +7,14 @@ read indices, masks, shared K/V and sizes exist once::
     LayerLayout  specs:  [full (pool, window=None), sliding (pool', W), ...]
                  layers: cache slot i -> (spec, layer in that spec's pool)
 
+                 state_slots: cache slots of recurrent layers (hybrid models), whose
+                              state lives in ``state_pool`` (:mod:`pagedkv.state_pool`)
+
     RowSet       tables:  [spec][row] -> PageTable       (one table per row per spec)
                  offsets:     int64 [layer, row]   tokens each layer of each row holds
                  step_starts: int64 [layer, row]   positions before its last write
                                                     (the RoPE start; SharedKv.offset)
+                 states:  RowStates (hybrids): each row's recurrent-state slot
 
 A *step* is one ``write`` of every layer with T tokens per row. mlx-lm calls the layers
 one after another, so the row set makes the step atomic:
@@ -23,6 +27,11 @@ one after another, so the row set makes the step atomic:
   returns to its position and every table to its pages, reference counts and free-list
   order included. Closing the step (all its layers wrote, or anything else happens to
   the rows) gives up the pages the tables copied away from or dropped;
+- a hybrid model's recurrent layers are layers of the step too: the step reserves the
+  fresh state slots its rows move to along with the pages, and their new states reach
+  the state pool when the step closes (:mod:`pagedkv.row_states`); a bad state rolls
+  the step back like a bad K/V. Recurrent state cannot go back, so a hybrid's rows
+  cannot be trimmed;
 - a write at positions the tables already hold (a layer trimmed alone, then written
   again) is a rewrite: its pages are made private first (copy-on-write).
 
@@ -34,7 +43,8 @@ step reuses them.
 Ownership: the row set owns its tables. ``release`` gives every page back once;
 ``take_rows`` moves another row set's rows (tables and positions) in without copying
 K/V, after which the other one raises ``ReleasedError``; ``split_row`` moves one row
-out into a new one-row set. Costs per layer call: O(B) numpy work plus the pool write
+out into a new one-row set. Recurrent-state slots move, fork and go back with their
+rows. Costs per layer call: O(B) numpy work plus the pool write
 and gather; the first layer of a step adds O(B · pages of the step) for the indices.
 """
 
@@ -57,7 +67,9 @@ from pagedkv.errors import (
 )
 from pagedkv.page_read import PageRead
 from pagedkv.pool import PagePool
+from pagedkv.row_states import RowStates
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
+from pagedkv.state_pool import StatePool
 from pagedkv.table import PageTable
 from pagedkv.view import KvAttentionView
 from pagedkv.visibility import range_mask, window_start
@@ -75,14 +87,25 @@ class TableSpec:
 
 @attrs.frozen
 class LayerLayout:
-    """Which table spec and which pool layer every cache slot uses."""
+    """Which table spec and which pool layer every attention layer uses; for hybrid
+    models, which cache slots are recurrent layers (their state in ``state_pool``, in
+    order). Attention layer i is the i-th cache slot that is not recurrent."""
 
     specs: tuple[TableSpec, ...]
     layers: tuple[tuple[int, int], ...]
+    state_slots: tuple[int, ...] = ()
+    state_pool: StatePool | None = attrs.field(default=None, eq=id)
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
-            raise InvalidValueError("a layout needs at least one layer")
+            raise InvalidValueError("a layout needs at least one attention layer")
+        n_state = 0 if self.state_pool is None else self.state_pool.num_layers
+        if len(self.state_slots) != n_state:
+            raise InvalidValueError(f"{len(self.state_slots)} recurrent cache slots for a state pool of "
+                                    f"{n_state} recurrent layers")
+        if sorted(set(self.state_slots)) != list(self.state_slots) or any(
+                not 0 <= i < self.num_slots for i in self.state_slots):
+            raise InvalidValueError(f"bad recurrent cache slots {self.state_slots}")
         for spec, layer in self.layers:
             pool = self.specs[spec].pool
             if not 0 <= layer < pool.num_layers:
@@ -95,14 +118,36 @@ class LayerLayout:
 
     @property
     def num_layers(self) -> int:
+        """Attention layers."""
         return len(self.layers)
+
+    @property
+    def num_slots(self) -> int:
+        """Cache slots: attention and recurrent layers."""
+        return len(self.layers) + len(self.state_slots)
+
+    def slot_kinds(self) -> list[tuple[str, int]]:
+        """Per cache slot, in order: ("kv", attention layer) or ("state", recurrent layer)."""
+        state = {slot: r for r, slot in enumerate(self.state_slots)}
+        out, kv = [], 0
+        for i in range(self.num_slots):
+            if i in state:
+                out.append(("state", state[i]))
+            else:
+                out.append(("kv", kv))
+                kv += 1
+        return out
 
 
 class RowSet:
     def __init__(self, layout: LayerLayout, tables: Sequence[Sequence[PageTable]] = ()) -> None:
         """Rows of ``layout``; ``tables[row][spec]`` are empty tables or tables the
-        caller hands over (their layers all at the tables' lengths)."""
+        caller hands over (their layers all at the tables' lengths; for a hybrid layout,
+        empty tables only: their recurrent state starts empty)."""
         self.layout = layout
+        if layout.state_pool is not None and any(t.num_tokens for row in tables for t in row):
+            raise NotSupportedError("a hybrid model's row starts empty: its tables carry no recurrent state")
+        self.states = None if layout.state_pool is None else RowStates.fresh(layout.state_pool, len(tables))
         n_specs = len(layout.specs)
         self._tables: list[list[PageTable]] = [[] for _ in range(n_specs)]
         for row in tables:
@@ -115,6 +160,7 @@ class RowSet:
         self.offsets = np.array(lengths, dtype=np.int64).reshape(layout.num_layers, len(tables))
         self.step_starts = self.offsets.copy()
         self._moved: str | None = None  # why the rows are gone, once moved out
+        self._checked_at = -1  # PageTable.releases when every table was last seen alive
         self._released = False
         self._memo: dict = {}
         self._masks: dict[int, mx.array] = {}  # per spec: the last mask ``mask`` made
@@ -172,10 +218,12 @@ class RowSet:
             raise ReleasedError(f"this cache's pages were {self._moved}; use the new owner instead")
         if self._released:
             raise ReleasedError("used after release()")
-        for ts in self._tables:
-            for t in ts:
-                if t.released:
-                    raise ReleasedError("cache used after its pages were released")
+        if self._checked_at != PageTable.releases:  # (O(rows) only after some table was released)
+            for ts in self._tables:
+                for t in ts:
+                    if t.released:
+                        raise ReleasedError("cache used after its pages were released")
+            self._checked_at = PageTable.releases
 
     @property
     def released(self) -> bool:
@@ -191,6 +239,8 @@ class RowSet:
         for t in self.all_tables():
             if not t.released:
                 t.release()
+        if self.states is not None:
+            self.states.release()
         self._released = True
         self._changed()
 
@@ -207,8 +257,13 @@ class RowSet:
                 if (held != t.num_tokens).any():
                     raise InvalidValueError(f"every layer must hold the same {t.num_tokens} tokens, "
                                             f"got {held.tolist()}")
+                if other.states is not None and (other.states.tokens[:, b] != t.num_tokens).any():
+                    raise InvalidValueError(f"every recurrent layer must hold the same {t.num_tokens} tokens, "
+                                            f"got {other.states.tokens[:, b].tolist()}")
         self._close_step()
         other._close_step()
+        if self.states is not None:
+            self.states.take(other.states)
         first = self.num_rows
         for s in range(len(self._tables)):
             self._tables[s].extend(other._tables[s])
@@ -228,6 +283,8 @@ class RowSet:
         out = RowSet(self.layout)
         tables = [ts.pop(row) for ts in self._tables]
         out._tables = [[t] for t in tables]
+        if self.states is not None:
+            out.states = self.states.split(row)
         out.offsets = self.offsets[:, row : row + 1].copy()
         out.step_starts = out.offsets.copy()
         self.offsets = np.delete(self.offsets, row, axis=1)
@@ -244,6 +301,8 @@ class RowSet:
             for b in sorted(drop):
                 ts[b].release()
         self._tables = [[ts[b] for b in keep] for ts in self._tables]
+        if self.states is not None:
+            self.states.keep(list(keep))
         self.offsets = self.offsets[:, list(keep)]
         self.step_starts = self.step_starts[:, list(keep)]
         self._changed()
@@ -256,18 +315,27 @@ class RowSet:
         out._tables = [[t.fork() for t in ts] for ts in self._tables]
         for t in out.all_tables():
             t.claimed = True
+        if self.states is not None:
+            out.states = self.states.fork()
         out.offsets = self.offsets.copy()
         out.step_starts = self.step_starts.copy()
         return out
 
-    def adopt_prefix(self, pages: Sequence[int], num_tokens: int | None = None) -> None:
+    def adopt_prefix(self, pages: Sequence[int], num_tokens: int | None = None,
+                     state_slot: int | None = None) -> None:
         """Start the one empty full-attention row with ``pages`` (each already referenced
         once for it: a prefix-cache hit, a loaded cache) holding ``num_tokens`` tokens
-        (default: all pages full); every layer stands after them."""
+        (default: all pages full); every layer stands after them. A hybrid row also
+        needs ``state_slot``: the recurrent state after those tokens (one reference
+        taken for it)."""
         if self.num_rows != 1 or len(self._tables) != 1 or self.layout.specs[0].window is not None:
             raise NotSupportedError("prefix caching serves one full-attention row")
+        if (self.states is None) != (state_slot is None):
+            raise InvalidValueError("a hybrid row adopts pages with their state slot; other rows take no state")
         table = self._tables[0][0]
         table.adopt(pages, num_tokens)
+        if self.states is not None:
+            self.states.adopt(state_slot, table.num_tokens)
         self.offsets[:] = table.num_tokens
         self.step_starts[:] = table.num_tokens
         self._changed()
@@ -299,9 +367,55 @@ class RowSet:
             raise
         self.offsets[layer] = start + count
         self.step_starts[layer] = start
-        if self._journal and len(self._saved) >= self._writers:
-            self._close_step()
+        self._close_if_done()
         return start
+
+    def _close_if_done(self) -> None:
+        done = len(self._saved) + (len(self.states._advanced) if self.states is not None else 0)
+        if self._journal and done >= self._writers:
+            self._close_step()
+
+    # ------------------------------------------------------------------ a recurrent layer's step
+    def set_state(self, layer: int, component: int, value: mx.array) -> None:
+        """Hand in recurrent layer ``layer``'s new state component (for every row) for
+        the step it is computing; a bad value rolls the open step back and raises."""
+        self.check_alive()
+        try:
+            self.states.set(layer, component, value)
+        except BaseException:
+            self._abort_state(layer)
+            raise
+
+    def advance_state(self, layer: int, count: int) -> None:
+        """Recurrent layer ``layer`` finished a step of ``count`` tokens per row (the
+        states it handed in stand once the step closes). Opens the step if it is the
+        step's first layer (reserving pages and state slots; ``PoolExhausted`` leaves
+        everything as it was)."""
+        self.check_alive()
+        states = self.states
+        try:
+            count = check_int("count", count, minimum=1)
+            start = states.tokens[layer].copy()
+            joins = (states.in_step and layer not in states._advanced and count == self._step_count
+                     and np.array_equal(start, self._step_from))
+            if not joins:
+                for ts in self._tables:
+                    if any(t.num_tokens != p for t, p in zip(ts, start)):
+                        raise KvShapeError(f"recurrent layer {layer} is at {start.tolist()} but the attention "
+                                           "layers are not: layers of one sequence must advance together")
+                self._open_step(start, count)
+            states.advanced(layer, count)
+        except BaseException:
+            self._abort_state(layer)
+            raise
+        self._close_if_done()
+
+    def _abort_state(self, layer: int) -> None:
+        """A recurrent layer failed: roll the open step back if the layer had not
+        finished it yet; otherwise just forget what it handed in."""
+        if self.states.in_step and layer not in self.states._advanced:
+            self._abort_step()
+        self.states.drop_pending()
 
     def check_kv(self, layer: int, keys: mx.array, values: mx.array) -> int:
         """Raise a typed error unless ``keys``/``values`` fit a write of ``layer`` (one
@@ -351,10 +465,18 @@ class RowSet:
         self._changed()
 
     def _open_step(self, start: np.ndarray, count: int) -> None:
+        self._close_step()  # a step some layers never finished stands as it is
         growing = [s for s, ts in enumerate(self._tables)
                    if all(t.num_tokens == p for t, p in zip(ts, start))]
         self._check_pages([(t, t.pages_needed(count)) for s in growing for t in self._tables[s]])
-        self._close_step()  # a step some layers never finished stands as it is
+        if self.states is not None:
+            if (self.states.tokens != start).any():
+                raise KvShapeError(f"the recurrent layers stand at {self.states.tokens.tolist()}, the step at "
+                                   f"{start.tolist()}: layers of one sequence must advance together")
+            need, available = self.states.needs(), self.states.pool.allocator.num_available()
+            if need > available:
+                raise PoolExhausted(need, available)
+            self.states.reserve()
         for s in growing:  # cannot run out now: every pool was checked for all its tables
             for t in self._tables[s]:
                 records: list = []
@@ -363,13 +485,15 @@ class RowSet:
         self._step_specs = set(growing)
         self._step_from = start.copy()
         self._step_count = count
-        self._writers = sum(1 for s, _ in self.layout.layers if s in self._step_specs)
+        self._writers = sum(1 for s, _ in self.layout.layers if s in self._step_specs) + len(self.layout.state_slots)
         self._changed()
 
     def _close_step(self) -> None:
         """The step stands: tables give up the pages they copied away from or dropped."""
         for table, record in self._journal:
             table.commit(record)
+        if self.states is not None:
+            self.states.commit()
         self._forget_step()
 
     def _abort_write(self, layer: int) -> None:
@@ -379,10 +503,16 @@ class RowSet:
         spec = self.layout.layers[layer][0]
         if spec not in self._step_specs or layer in self._saved or not self._journal:
             return
+        self._abort_step()
+
+    def _abort_step(self) -> None:
+        """Undo the open step: layers, tables and state slots exactly as before it."""
         for saved, (offsets, starts) in self._saved.items():
             self.offsets[saved], self.step_starts[saved] = offsets, starts
         for table, record in reversed(self._journal):  # the free list's order returns too
             table.undo(record)
+        if self.states is not None:  # (reserved before the tables' pages)
+            self.states.discard()
         self._forget_step()
         self._changed()
 
@@ -501,7 +631,9 @@ class RowSet:
 
     # ------------------------------------------------------------------ trimming
     def max_trim(self, layer: int) -> int:
-        """The most tokens every row of ``layer`` can go back now."""
+        """The most tokens every row of ``layer`` can go back now (0 on a hybrid)."""
+        if self.states is not None:
+            return 0
         tables = self.layer_tables(layer)
         return int(min((t.max_rewind(int(n)) for t, n in zip(tables, self.offsets[layer])), default=0))
 
@@ -512,6 +644,8 @@ class RowSet:
         dropped keys a query at the new end needs."""
         self.check_alive()
         n = check_int("n", n, minimum=0)
+        if self.states is not None and n:
+            raise NotSupportedError("a hybrid model's rows cannot be trimmed: recurrent state cannot go back")
         if self.num_rows == 0:
             return 0
         n = min(n, int(self.offsets[layer].min()))

@@ -2,7 +2,8 @@
 
 - ``pages_for(tokens, page_size)``: pages a sequence of that many tokens occupies.
 - ``can_admit(pool, prompt_tokens, max_new_tokens, ...)``: would a new request fit in
-  the free + evictable pages, keeping a watermark free for the running sequences?
+  the free + evictable pages (and, for a hybrid model, a recurrent-state slot), keeping
+  a watermark free for the running sequences?
 - ``preempt(cache)``: give a sequence's pages back (its registered prefix pages stay
   cached, so it can resume from them or be recomputed later).
 """
@@ -14,6 +15,7 @@ import math
 from pagedkv.cache import PagedPromptCache
 from pagedkv.errors import InvalidValueError, check_int
 from pagedkv.pool import PagePool
+from pagedkv.state_pool import StatePool
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -23,11 +25,13 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached_tokens: int = 0,
-              watermark: float = 0.01) -> bool:
+              watermark: float = 0.01, state_pool: StatePool | None = None) -> bool:
     """True if a request needs no more than the available pages minus a watermark.
 
     ``cached_tokens`` are prompt tokens a prefix cache will serve (they cost no new
     pages). ``watermark`` is the fraction of the pool kept free for running sequences.
+    ``state_pool`` (hybrid models): the request also needs one free or evictable
+    recurrent-state slot beyond the same watermark of that pool.
     """
     check_int("prompt_tokens", prompt_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
@@ -36,11 +40,19 @@ def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached
         raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
     need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size
     reserve = math.ceil(watermark * pool.usable_pages)
+    if state_pool is not None:
+        if not isinstance(state_pool, StatePool):
+            raise InvalidValueError(f"state_pool must be a StatePool, got {type(state_pool).__name__}")
+        if 1 > state_pool.allocator.num_available() - math.ceil(watermark * state_pool.usable_slots):
+            return False
     return need <= pool.allocator.num_available() - reserve
 
 
 def preempt(cache: PagedPromptCache) -> int:
-    """Release a sequence's pages now; returns how many references were given back."""
+    """Release a sequence's pages (and recurrent-state slot) now; returns how many
+    references were given back."""
     held = sum(t.num_pages for t in cache.tables)
+    if cache.rows.states is not None:
+        held += int((cache.rows.states.slots != cache.rows.states.pool.null_slot).sum())
     cache.release()
     return held

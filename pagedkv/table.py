@@ -39,7 +39,7 @@ class UndoRecord:
     """What a journaled ``prepare_write`` changed: the table before it, the pages it
     allocated, and the references it still owes (see ``PageTable.prepare_write``)."""
 
-    pages: np.ndarray
+    pages: np.ndarray | None  # None: the write listed no new page (only the length moved)
     dropped: int
     num_tokens: int
     allocated: np.ndarray
@@ -47,6 +47,8 @@ class UndoRecord:
 
 
 class PageTable:
+    releases = 0  # tables released so far, process-wide (owners re-check their tables when it moves)
+
     def __init__(self, pool: PagePool, window: int | None = None) -> None:
         if not isinstance(pool, PagePool):
             raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
@@ -133,6 +135,11 @@ class PageTable:
         count = check_int("count", count, minimum=1)
         start = check_int("start", start, minimum=0)
         need, cow = self._plan(start, count)
+        if need == 0 and not cow.size and self.window is None:  # the common decode step
+            if undo is not None:
+                undo.append(UndoRecord(None, self._dropped, self.num_tokens, _NO_PAGES))
+            self.num_tokens = max(self.num_tokens, start + count)
+            return
         alloc = self.pool.allocator
         new = alloc.allocate(need + cow.size)  # atomic: raises before anything changes
         record = UndoRecord(self._pages[: self._n].copy(), self._dropped, self.num_tokens, new) \
@@ -156,15 +163,19 @@ class PageTable:
 
     def commit(self, record: UndoRecord) -> None:
         """Give up the references a journaled ``prepare_write`` kept (the step stands)."""
-        self.pool.allocator.decref(record.owed)
+        if record.owed.size:
+            self.pool.allocator.decref(record.owed)
 
     def undo(self, record: UndoRecord) -> None:
         """Put the table back as it was before the journaled ``prepare_write``: its page
         ids, length and window, with the pages allocated for it given back in reverse
         order (so a LIFO free list is as it was)."""
+        self.num_tokens = record.num_tokens
+        if record.pages is None:
+            return
         n = record.pages.size
         self._pages[:n] = record.pages
-        self._n, self._dropped, self.num_tokens = n, record.dropped, record.num_tokens
+        self._n, self._dropped = n, record.dropped
         self.pool.allocator.decref(record.allocated[::-1].copy())
 
     def adopt(self, pages: Sequence[int], num_tokens: int | None = None) -> None:
@@ -270,6 +281,7 @@ class PageTable:
         self._check_alive()
         self.pool.allocator.decref(self._pages[self._dropped : self._n][::-1].copy())
         self._released = True
+        PageTable.releases += 1
         self._n = self._dropped = self.num_tokens = 0
 
     # ------------------------------------------------------------------ page ids

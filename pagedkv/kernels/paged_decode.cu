@@ -50,6 +50,9 @@ template <typename T, int ROWS> __device__ __forceinline__ void mma_16x8x16(
 // @section block
     // This block's (row b, KV head h, split s), the row's visible tokens [start, length),
     // and this thread's lane and warp.
+    // Runtime sizes (one compiled kernel serves every batch, width and split count):
+    // splits per (row, KV head), pages per split, page-table width, pool pages.
+    const int S = dims[0], PPS = dims[1], W = dims[2], P = dims[3];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int blk = blockIdx.x;
@@ -442,6 +445,7 @@ template <typename T, int ROWS> __device__ __forceinline__ void mma_16x8x16(
 
 // @section pass2
     const int bq = blockIdx.x;               // row * HQ + query head
+    const int S = dims[0];                   // splits per row and head (runtime)
     const long long base = (long long)bq * S;
     float mm = -INFINITY;
     for (int s = 0; s < S; ++s) mm = fmaxf(mm, part_ml[(base + s) * 2]);

@@ -89,6 +89,7 @@ MAX_SHARED_BYTES = 232448    # dynamic shared memory one block may use on sm_80/
 
 _KERNELS: dict[tuple[str, int], object] = {}
 _SCALES: dict[float, mx.array] = {}
+_DIMS: dict[tuple[int, ...], mx.array] = {}
 
 
 def available() -> bool:
@@ -124,13 +125,13 @@ def _kernel(name: str, shared_bytes: int = 0):
             body = _CUDA["pass1_mma" if name == "mma" else "pass1_fma"]
             k = mx.fast.cuda_kernel(
                 name=f"pagedkv_decode_{name}",
-                input_names=["queries", "kpool", "vpool", "table", "lengths", "starts", "scale"],
+                input_names=["queries", "kpool", "vpool", "table", "lengths", "starts", "scale", "dims"],
                 output_names=["part_acc", "part_ml"], source=_CUDA["block"] + body + _CUDA["write_partials"], header=_CUDA["header"],
                 shared_memory=shared_bytes,
             )
         else:
             k = mx.fast.cuda_kernel(
-                name="pagedkv_decode_merge", input_names=["part_acc", "part_ml"],
+                name="pagedkv_decode_merge", input_names=["part_acc", "part_ml", "dims"],
                 output_names=["out"], source=_CUDA["pass2"], header=_CUDA["header"],
             )
         _KERNELS[(name, shared_bytes)] = k
@@ -142,6 +143,16 @@ def _scale_array(scale: float) -> mx.array:
     a = _SCALES.get(scale)
     if a is None:
         a = _SCALES[scale] = mx.array([scale], dtype=mx.float32)
+    return a
+
+
+def _dims_array(*dims: int) -> mx.array:
+    """The kernels' runtime sizes as a device array, made once per value."""
+    a = _DIMS.get(dims)
+    if a is None:
+        if len(_DIMS) > 4096:
+            _DIMS.clear()
+        a = _DIMS[dims] = mx.array(dims, dtype=mx.int32)
     return a
 
 
@@ -162,13 +173,14 @@ def choose_splits(batch: int, kv_heads: int, width_pages: int, sms: int = 132) -
     return max(1, s, -(-width_pages // MAX_PAGES_PER_SPLIT))
 
 
-def bucket_width(pages: int) -> int:
-    """The page-table width the kernel is compiled for: the next power of two. The width
-    is a template argument, so without buckets a growing sequence compiled a new kernel
-    every time it crossed a page boundary (generation ran at 0.05-0.8x mlx-lm on the H200,
-    bench/gpu_generate.py; 0.66-3.2x with buckets at equal lengths); with them a sequence
-    of up to 2^k pages needs k + 1 kernels. Splits past a row's length do no token work."""
-    return 1 << max(0, pages - 1).bit_length()
+def shared_pages(pages_per_split: int) -> int:
+    """Page ids the block's shared memory is sized for: the next power of two, at least
+    64. The shared size picks the kernel object (MLX compiles one per object and template),
+    so a handful of sizes bound the compiles; everything else that varies per step
+    (batch, table width, splits, pages per split, pool size) is a runtime argument. When
+    the table width and the splits were template arguments, every new width or batch size
+    compiled a kernel (~2.5 s on the H200) in the middle of generation (issue 15)."""
+    return max(64, 1 << max(0, pages_per_split - 1).bit_length())
 
 
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
@@ -190,32 +202,31 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
     hkv = k_pool.shape[0] // num_pages
     if hq % hkv or d not in (64, 128, 256) or k_pool.dtype not in (mx.float16, mx.bfloat16):
         raise ValueError(f"unsupported shape/dtype: Hq={hq}, Hkv={hkv}, D={d}, {k_pool.dtype}")
-    w = bucket_width(table.shape[1])
-    if w != table.shape[1]:  # page ids past a row's length are loaded, never read from
-        table = mx.pad(table, [(0, 0), (0, w - table.shape[1])])
+    w = table.shape[1]
     s = max(splits or choose_splits(b, hkv, w), -(-w // MAX_PAGES_PER_SPLIT))
     pps = -(-w // s)
     s = -(-w // pps)
     rep = hq // hkv
     warps = pipeline.warps
     mma = pipeline.uses_tensor_cores(rep)
-    template = [("T", q.dtype), ("D", d), ("PS", page_size), ("P", num_pages), ("W", w), ("S", s),
-                ("PPS", pps), ("HKV", hkv), ("REP", rep), ("WARPS", warps), ("STAGES", pipeline.stages)]
+    template = [("T", q.dtype), ("D", d), ("PS", page_size), ("HKV", hkv), ("REP", rep), ("WARPS", warps),
+                ("STAGES", pipeline.stages)]
     if not mma:
         template.append(("U", pipeline.groups))
-    shared = pipeline.shared_bytes(d, rep, pps)
+    dims = _dims_array(s, pps, w, num_pages)
+    shared = pipeline.shared_bytes(d, rep, shared_pages(pps))
     if shared > MAX_SHARED_BYTES:
         raise ValueError(f"{pipeline} needs {shared} bytes of shared memory per block at D={d}, "
                          f"REP={rep}; a block may use {MAX_SHARED_BYTES}")
     part_acc, part_ml = _kernel("mma" if mma else "fma", shared)(
         inputs=[q.reshape(b * hq, d), k_pool, v_pool, table, lengths, starts,
-                _scale_array(scale)],
+                _scale_array(scale), dims],
         template=template, grid=(b * hkv * s * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(b * hq * s * d,), (b * hq * s * 2,)], output_dtypes=[mx.float32, mx.float32],
         **init,
     )
     (out,) = _kernel("merge")(
-        inputs=[part_acc, part_ml], template=[("T", q.dtype), ("D", d), ("S", s)],
+        inputs=[part_acc, part_ml, dims], template=[("T", q.dtype), ("D", d)],
         grid=(b * hq * min(d, 128), 1, 1), threadgroup=(min(d, 128), 1, 1),
         output_shapes=[(b * hq * d,)], output_dtypes=[q.dtype], **init,
     )

@@ -28,6 +28,10 @@ Admission refuses, with ``RequestTooLarge`` and before any prefill, a request wh
 prompt plus ``max_tokens`` can never fit in the whole pool (or the model's context), so
 every admitted request can finish even alone, and a queue never stalls.
 
+A hybrid model (recurrent layers next to attention) runs the same way with a
+``state_pool``: each request also holds one recurrent-state slot, and prefix hits
+restore the state from checkpoints (:mod:`pagedkv.prefix`).
+
 Costs per step: O(B) Python for B running rows plus the model's forward; admission
 O(pages matched) per waiting request looked at.
 """
@@ -53,6 +57,7 @@ from pagedkv.scheduling import can_admit
 from pagedkv.serving.metrics import ServingMetrics
 from pagedkv.serving.sampling import SamplingParams, sample_rows
 from pagedkv.serving.text_stream import TextStream
+from pagedkv.state_pool import StatePool
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -161,6 +166,8 @@ class Engine:
         watermark: float = 0.01,
         metrics: ServingMetrics | None = None,
         disk_tier: DiskTier | None = None,
+        state_pool: StatePool | None = None,
+        checkpoint_every: int = 16,
     ) -> None:
         """``decode`` turns token ids into text (special tokens skipped).
         ``prefill_budget``: prompt tokens prefilled per step (chunked prefill: a longer
@@ -168,13 +175,21 @@ class Engine:
         them, so a long prompt cannot stall everyone's next token).
         ``prefill_chunk``: the most tokens in one forward.
         ``disk_tier``: keeps evicted prefix pages on disk (and every cached page at
-        ``close``), so prefix hits survive eviction and restarts."""
+        ``close``), so prefix hits survive eviction and restarts.
+        ``state_pool``: a hybrid model's recurrent-state slots (one per running request,
+        plus prefix checkpoints, kept every ``checkpoint_every`` pages: prefill forwards
+        are cut at those boundaries, and decoding rows leave a checkpoint as they cross one)."""
         self.model = model
         self.pool = pool
-        self.batch = PagedBatch.for_model(model, pool)
+        if state_pool is not None and (not isinstance(state_pool, StatePool) or state_pool.usable_slots < 2):
+            raise InvalidValueError("state_pool must be a StatePool with at least 2 usable slots (a running "
+                                    "request and the one it moves to off a checkpoint)")
+        self.state_pool = state_pool
+        self.batch = PagedBatch.for_model(model, pool, state_pool=state_pool)
         if disk_tier is not None and not prefix_caching:
             raise InvalidValueError("a disk tier keeps prefix-cache pages: it needs prefix_caching")
-        self.prefix = PrefixCache(pool, disk=disk_tier) if prefix_caching else None
+        self.prefix = PrefixCache(pool, disk=disk_tier, state_pool=state_pool,
+                                  checkpoint_every=checkpoint_every) if prefix_caching else None
         self.decode = decode
         self.eos = frozenset(eos_token_ids)
         vocab = int(model.args.vocab_size)
@@ -258,7 +273,7 @@ class Engine:
         self._pending.clear()
         self._ids.clear()
         self.batch.release()
-        self.batch = PagedBatch.for_model(self.model, self.pool)
+        self.batch = PagedBatch.for_model(self.model, self.pool, state_pool=self.state_pool)
         self._update_gauges()
 
     # ------------------------------------------------------------------ the step
@@ -296,7 +311,8 @@ class Engine:
             cached = len(self.prefix.match(self._keys(req))) * ps if self.prefix else 0
             if self.running or self.prefilling:
                 lookahead = min(req.params.max_tokens - len(req.generated), 16)
-                if not can_admit(self.pool, n, lookahead, cached_tokens=cached, watermark=self.watermark):
+                if not can_admit(self.pool, n, lookahead, cached_tokens=cached, watermark=self.watermark,
+                                 state_pool=self.state_pool):
                     break
             self.waiting.popleft()
             budget = self._advance(self._start(req), budget)
@@ -306,7 +322,7 @@ class Engine:
         if self.prefix is not None:
             cache, rest = self.prefix.new_cache(self.model, self._keys(req))
         else:
-            cache, rest = make_paged_cache(self.model, self.pool), req.tokens
+            cache, rest = make_paged_cache(self.model, self.pool, state_pool=self.state_pool), req.tokens
         if req.cached_tokens is None:  # first admission (a preempted request has tokens)
             req.cached_tokens = len(req.prompt) - len(rest) if not req.generated else 0
             self.metrics.prefix_queried(len(req.prompt), req.cached_tokens)
@@ -324,6 +340,8 @@ class Engine:
         try:
             while len(job.rest) > 1 and budget > 0:
                 take = min(len(job.rest) - 1, budget, self.prefill_chunk)
+                if self.prefix is not None:  # (hybrids: stop at the next checkpoint boundary)
+                    take = self.prefix.aligned_take(cache.num_tokens, take)
                 prefill(self.model, cache, job.rest[:take], take)
                 job.rest = job.rest[take:]
                 budget -= take
@@ -372,6 +390,11 @@ class Engine:
         for i, (req, tok) in enumerate(zip(self.running, tokens)):
             self._pending[i] = tok
             self._emit(req, tok)
+        if self.state_pool is not None and self.prefix is not None:  # checkpoints as rows cross boundaries
+            every = self.prefix.checkpoint_tokens
+            for i, n in enumerate(self.batch.lengths):
+                if n % every == 0 and self.running[i].finish_reason is None:
+                    self.prefix.register_row(self.batch.rows, i, self._keys(self.running[i]))
 
     def _preempt_newest(self) -> None:
         row = len(self.running) - 1
@@ -438,11 +461,10 @@ class Engine:
         done = [i for i, r in enumerate(self.running) if r.finish_reason is not None]
         if not done:
             return
-        tables = self.batch.tables()
         for i in done:
             req = self.running[i]
             if self.prefix is not None:
-                self.prefix.register(tables[i], self._keys(req))
+                self.prefix.register_row(self.batch.rows, i, self._keys(req))
             self._ids.pop(req.rid, None)
         keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
         self.batch.filter(keep)
@@ -452,3 +474,5 @@ class Engine:
     def _update_gauges(self) -> None:
         self.metrics.scheduler(len(self.running) + len(self.prefilling), len(self.waiting), self.pool.allocator.stats(),
                                self.pool.usable_pages, self.pool.bytes_per_page)
+        if self.state_pool is not None:
+            self.metrics.states(self.state_pool.allocator.stats(), self.state_pool.bytes_per_slot)

@@ -15,7 +15,9 @@ Names follow vLLM's where vLLM has the metric, with the ``pagedkv:`` prefix in p
     pagedkv:inter_token_latency_seconds           histogram, between a request's tokens
     pagedkv:e2e_request_latency_seconds           histogram, arrival to last token
 and pagedkv's own pool gauges: ``pagedkv:kv_pages_in_use``, ``_cached``, ``_free``,
-``pagedkv:kv_peak_bytes`` (the most pages ever held by requests, in bytes).
+``pagedkv:kv_peak_bytes`` (the most pages ever held by requests, in bytes), and for
+hybrid models ``pagedkv:state_slots_in_use`` / ``_cached`` (recurrent-state slots: one
+per running sequence, the checkpoints) and ``pagedkv:state_bytes_in_use``.
 
 Written by the engine's owner thread, read by whoever scrapes (prometheus_client locks).
 """
@@ -50,6 +52,9 @@ _METRICS = {
     "pages_cached": (Gauge, "kv_pages_cached", "Evictable pages of finished prefixes."),
     "pages_free": (Gauge, "kv_pages_free", "Free KV pages."),
     "peak_bytes": (Gauge, "kv_peak_bytes", "Most KV bytes ever held by requests."),
+    "state_in_use": (Gauge, "state_slots_in_use", "Recurrent-state slots held by requests (hybrid models)."),
+    "state_cached": (Gauge, "state_slots_cached", "Evictable recurrent-state checkpoints (hybrid models)."),
+    "state_bytes": (Gauge, "state_bytes_in_use", "Bytes of recurrent-state slots held by requests."),
     "queries": (Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "hits": (Counter, "prefix_cache_hits", "Prompt tokens served by the prefix cache."),
     "preemptions": (Counter, "num_preemptions", "Requests preempted to free KV pages."),
@@ -103,6 +108,12 @@ class ServingMetrics:
         self.pages_cached.set(stats.cached)
         self.pages_free.set(stats.free)
         self.peak_bytes.set(stats.peak_in_use * bytes_per_page)
+
+    def states(self, stats, bytes_per_slot: int) -> None:
+        """The recurrent-state pool's allocator ``stats`` (hybrid models)."""
+        self.state_in_use.set(stats.in_use)
+        self.state_cached.set(stats.cached)
+        self.state_bytes.set(stats.in_use * bytes_per_slot)
 
     # -- read by a scrape
     def render(self) -> bytes:
