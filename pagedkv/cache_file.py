@@ -43,6 +43,8 @@ def save_cache(path: str | os.PathLike, cache: PagedPromptCache, *, tokens: Sequ
     cache.rows.check_alive()
     if len(cache.tables) != 1 or cache.tables[0].window is not None:
         raise NotSupportedError("save_cache saves one full-attention sequence (one page table, no window)")
+    if cache.rows.states is not None:
+        raise NotSupportedError("save_cache keeps K/V pages; a hybrid model's recurrent state is not saved yet")
     table = cache.tables[0]
     if any(int(o) != table.num_tokens for o in cache.rows.offsets.reshape(-1)):
         raise InvalidValueError("save_cache needs every layer at the same length (between steps)")

@@ -61,6 +61,7 @@ class DonorCache:
         return getattr(self.cache, name)
 
 
-def donor_caches(prompt_cache: list[PagedKVCache]) -> list[DonorCache]:
-    """Wrap every cache slot i as the donor i of a pass."""
-    return [DonorCache(c, i) for i, c in enumerate(prompt_cache)]
+def donor_caches(prompt_cache: list[PagedKVCache]) -> list:
+    """Wrap every attention cache slot i as the donor i of a pass; a hybrid model's
+    recurrent slots have no K/V to share and are passed through as they are."""
+    return [DonorCache(c, i) if isinstance(c, PagedKVCache) else c for i, c in enumerate(prompt_cache)]

@@ -29,9 +29,11 @@ from pagedkv import (
     PrefixCache,
     StatePool,
     can_admit,
+    donor_caches,
     make_paged_cache,
     pools_for_model,
     preempt,
+    save_cache,
 )
 from pagedkv.generation import prefill
 from pagedkv.serving import Engine, GenerationRequest, SamplingParams
@@ -282,6 +284,13 @@ def test_hybrid_caches_refuse_what_recurrent_state_cannot_do(model, tmp_path):
             pool.bytes_per_page_per_layer * pool.num_layers * 2 + states.bytes_per_slot)
     with pytest.raises(NotSupportedError):
         PrefixCache(pool, state_pool=states, disk=DiskTier(tmp_path, pool, max_bytes=1 << 20, model_id="m"))
+    with make_paged_cache(model, pool, state_pool=states) as cache:
+        model(mx.array([[1, 2, 3]]), cache=cache)
+        with pytest.raises(NotSupportedError, match="recurrent state"):
+            save_cache(tmp_path / "c.safetensors", cache, tokens=[1, 2, 3])
+        donors = donor_caches(cache)  # recurrent slots share nothing: passed through
+        assert [type(d).__name__ for d in donors] == [
+            "DonorCache" if type(c).__name__ == "PagedKVCache" else "PagedStateCache" for c in cache]
     no_leaks(pool, states, cached_ok=False)
 
 
