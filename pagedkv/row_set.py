@@ -468,7 +468,8 @@ class RowSet:
         self._close_step()  # a step some layers never finished stands as it is
         growing = [s for s, ts in enumerate(self._tables)
                    if all(t.num_tokens == p for t, p in zip(ts, start))]
-        self._check_pages([(t, t.pages_needed(count)) for s in growing for t in self._tables[s]])
+        plans = [(t, t.plan_write(t.num_tokens, count)) for s in growing for t in self._tables[s]]
+        self._check_pages([(t, need + cow.size) for t, (need, cow) in plans])
         if self.states is not None:
             if (self.states.tokens != start).any():
                 raise KvShapeError(f"the recurrent layers stand at {self.states.tokens.tolist()}, the step at "
@@ -477,11 +478,10 @@ class RowSet:
             if need > available:
                 raise PoolExhausted(need, available)
             self.states.reserve()
-        for s in growing:  # cannot run out now: every pool was checked for all its tables
-            for t in self._tables[s]:
-                records: list = []
-                t.prepare_write(int(t.num_tokens), count, undo=records)
-                self._journal.append((t, records[0]))
+        for t, plan in plans:  # cannot run out now: every pool was checked for all its tables
+            records: list = []
+            t.prepare_write(int(t.num_tokens), count, undo=records, plan=plan)
+            self._journal.append((t, records[0]))
         self._step_specs = set(growing)
         self._step_from = start.copy()
         self._step_count = count

@@ -112,13 +112,19 @@ class PageTable:
         shared = [alloc.refcount(int(p)) > 1 or alloc.is_cacheable(int(p)) for p in self._pages[first:last]]
         return need, idx[np.array(shared, dtype=bool)]
 
+    def plan_write(self, start: int, count: int) -> tuple[int, np.ndarray]:
+        """(pages to allocate, indices of listed pages to copy first) for writing tokens
+        [start, start + count); see ``prepare_write``."""
+        return self._plan(start, count)
+
     def pages_needed(self, count: int, start: int | None = None) -> int:
         """Pages writing ``count`` tokens at ``start`` (default: appending) would
         allocate, copy-on-write included."""
         need, cow = self._plan(self.num_tokens if start is None else start, count)
         return need + cow.size
 
-    def prepare_write(self, start: int, count: int, undo: list | None = None) -> None:
+    def prepare_write(self, start: int, count: int, undo: list | None = None,
+                      plan: tuple[int, np.ndarray] | None = None) -> None:
         """Make tokens [start, start + count) writable by this table alone.
 
         Allocates pages past the end (one atomic ``allocate``, also covering the
@@ -129,12 +135,13 @@ class PageTable:
         With ``undo`` (a list; a step in progress), the references this write gives up
         (pages copied away from, pages dropped by the window) are kept for now and an
         ``UndoRecord`` is appended: ``commit(record)`` gives them up, ``undo(record)``
-        puts the table back exactly as it was.
+        puts the table back exactly as it was. ``plan``: what ``plan_write(start, count)``
+        returned, if nothing changed since (a row set checks every table's need first).
         """
         self._check_alive()
         count = check_int("count", count, minimum=1)
         start = check_int("start", start, minimum=0)
-        need, cow = self._plan(start, count)
+        need, cow = self._plan(start, count) if plan is None else plan
         if need == 0 and not cow.size and self.window is None:  # the common decode step
             if undo is not None:
                 undo.append(UndoRecord(None, self._dropped, self.num_tokens, _NO_PAGES))
