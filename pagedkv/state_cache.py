@@ -40,6 +40,11 @@ class PagedStateCache:
         self.rows.advance_state(self.layer, n)
 
     def make_mask(self, N: int) -> None:
+        """None (no padded rows). mlx-lm's hybrid models ask for it at the top of every
+        forward, before any layer runs, so states a failed earlier forward handed in
+        without finishing its step are dropped here and can never be read."""
+        self.rows.check_alive()
+        self.rows.states.drop_pending()
         return None
 
     @property

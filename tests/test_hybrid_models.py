@@ -249,6 +249,18 @@ def test_a_bad_state_rolls_the_step_back(model, bad):
     no_leaks(pool, states, cached_ok=False)
 
 
+def test_states_a_failed_forward_handed_in_are_never_read(model):
+    pool, states = pools(model)
+    cache = make_paged_cache(model, pool, state_pool=states)
+    model(mx.array([[1, 2, 3]]), cache=cache)
+    face = next(c for c in cache if type(c).__name__ == "PagedStateCache")
+    face[0] = face[0] + 100  # a forward that raised after this layer handed its state in
+    got, _ = greedy(model, cache, [4], 3)
+    assert got == reference(model, [1, 2, 3, 4], 3)[0]
+    cache.release()
+    no_leaks(pool, states, cached_ok=False)
+
+
 def test_a_failing_attention_write_rolls_back_the_recurrent_layers_before_it(model):
     pool, states = pools(model)
     cache = make_paged_cache(model, pool, state_pool=states)
