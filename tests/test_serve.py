@@ -26,7 +26,8 @@ def solo(model, tokens, n):
     return out
 
 
-@pytest.mark.parametrize("prefix_caching", [True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (tests/test_serving_engine.py covers the engine in the fast loop)
+@pytest.mark.parametrize("prefix_caching", [True, False])
 def test_served_outputs_equal_solo_greedy_even_with_preemption(prefix_caching):
     model, layers, kv_heads, head_dim, dtype, vocab = serve.load_model("random")
     pool = PagePool(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, page_size=8,

@@ -6,6 +6,7 @@ it returned when it was taken, and no page a live view covers is in the free set
 
 import hypothesis.strategies as st
 import mlx.core as mx
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -123,3 +124,4 @@ TestViewLifetimes = ViewLifetimes.TestCase
 TestViewLifetimes.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
 TestQuantizedViewLifetimes = QuantizedViewLifetimes.TestCase
 TestQuantizedViewLifetimes.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestQuantizedViewLifetimes.pytestmark = [pytest.mark.slow]  # (the full-precision machine stays in the fast loop)
