@@ -39,6 +39,7 @@ from pagedkv.errors import (
     ReleasedError,
     check_int,
 )
+from pagedkv.mlx_lm_caches import entry_caches
 from pagedkv.pool import PagePool
 from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 from pagedkv.shared import SharedKv
@@ -310,36 +311,47 @@ class PagedPromptCache(list):
 
 
 def layer_faces(rows: RowSet, kv_face) -> list:
-    """The per-slot caches of ``rows`` in the model's cache order: ``kv_face(rows, i)``
-    for attention layer i, a ``PagedStateCache`` for each recurrent layer."""
+    """The per-layer caches of ``rows`` in the model's cache order: ``kv_face(rows, i)``
+    for attention layer i, a ``PagedStateCache`` for each recurrent layer, grouped into
+    a ``PagedCacheList`` where the model bundles a layer's caches (``LayerLayout.groups``)."""
+    from pagedkv.cache_list import PagedCacheList
     from pagedkv.state_cache import PagedStateCache
 
-    return [kv_face(rows, i) if kind == "kv" else PagedStateCache(rows, i) for kind, i in rows.layout.slot_kinds()]
+    faces = [kv_face(rows, i) if kind == "kv" else PagedStateCache(rows, i) for kind, i in rows.layout.slot_kinds()]
+    if not rows.layout.groups:
+        return faces
+    out, i = [], 0
+    for n in rows.layout.groups:
+        out.append(PagedCacheList(faces[i : i + n]) if n > 1 else faces[i])
+        i += n
+    return out
 
 
 _RECURRENT = "recurrent"
 
 
-def _layer_windows(model, max_kv_size: int | None) -> list[int | None | str]:
-    """Per cache slot: None (full attention), the sliding-window size, or "recurrent"
-    (an ``ArraysCache`` layer of a hybrid model), from the model."""
+def _face_kind(c) -> int | None | str:
+    """None (full attention), the sliding-window size, or "recurrent" (an
+    ``ArraysCache`` layer of a hybrid model)."""
+    kind = type(c).__name__
+    if kind == "KVCache":
+        return None
+    if kind == "RotatingKVCache":
+        if getattr(c, "keep", 0):
+            raise NotSupportedError("rotating caches with keep > 0 are not supported")
+        return c.max_size
+    if kind == "ArraysCache":
+        return _RECURRENT
+    raise NotSupportedError(f"model asks for a {kind}; pagedkv pages KVCache and RotatingKVCache "
+                            "and keeps ArraysCache state in a StatePool")
+
+
+def _layer_windows(model, max_kv_size: int | None) -> list[list[int | None | str]]:
+    """Per entry of the model's cache list, the kinds of its caches (``_face_kind``;
+    several for a ``CacheList``)."""
     if hasattr(model, "make_cache"):
-        windows: list[int | None | str] = []
-        for c in model.make_cache():
-            kind = type(c).__name__
-            if kind == "KVCache":
-                windows.append(None)
-            elif kind == "RotatingKVCache":
-                if getattr(c, "keep", 0):
-                    raise NotSupportedError("rotating caches with keep > 0 are not supported")
-                windows.append(c.max_size)
-            elif kind == "ArraysCache":
-                windows.append(_RECURRENT)
-            else:
-                raise NotSupportedError(f"model asks for a {kind}; pagedkv pages KVCache and RotatingKVCache "
-                                        "and keeps ArraysCache state in a StatePool")
-        return windows
-    return [max_kv_size] * len(model.layers)
+        return [[_face_kind(c) for c in entry_caches(entry)] for entry in model.make_cache()]
+    return [[max_kv_size]] * len(model.layers)
 
 
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
@@ -354,7 +366,9 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
         raise InvalidTypeError("pool and sliding_pool must be PagePools")
     if state_pool is not None and not isinstance(state_pool, StatePool):
         raise InvalidTypeError(f"state_pool must be a StatePool, got {type(state_pool).__name__}")
-    windows = _layer_windows(model, max_kv_size)
+    entries = _layer_windows(model, max_kv_size)
+    windows = [w for entry in entries for w in entry]
+    groups = tuple(len(e) for e in entries) if any(len(e) != 1 for e in entries) else ()
     state_slots = tuple(i for i, w in enumerate(windows) if w == _RECURRENT)
     if state_slots and state_pool is None:
         raise NotSupportedError(f"the model has {len(state_slots)} recurrent layers: pass "
@@ -376,7 +390,7 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
         if spec not in specs:
             specs.append(spec)
         layers.append((specs.index(spec), layer))
-    return LayerLayout(tuple(specs), tuple(layers), state_slots, state_pool if state_slots else None)
+    return LayerLayout(tuple(specs), tuple(layers), state_slots, state_pool if state_slots else None, groups)
 
 
 def make_paged_cache(

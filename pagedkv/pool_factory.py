@@ -8,6 +8,7 @@ import mlx.core as mx
 
 from pagedkv.codec import AffineQuant, rotated
 from pagedkv.errors import InvalidValueError, NotSupportedError, check_int
+from pagedkv.mlx_lm_caches import flat_caches
 from pagedkv.pool import PagePool
 from pagedkv.state_pool import StatePool
 
@@ -22,7 +23,7 @@ def _probe(model) -> list:
 
 
 def _attention_caches(cache: list) -> list:
-    return [c for c in cache if getattr(c, "keys", None) is not None]
+    return [c for c in flat_caches(cache) if getattr(c, "keys", None) is not None]
 
 
 def kv_dtype(model) -> mx.Dtype:
@@ -40,7 +41,7 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
     """
     check_int("max_bytes", max_bytes, minimum=1)
     cache = _probe(model)
-    names = {type(c).__name__ for c in cache}
+    names = {type(c).__name__ for c in flat_caches(cache)}
     if not names <= {"KVCache", "ArraysCache"}:
         raise NotSupportedError(f"pools_for_model sizes KVCache and ArraysCache layers, the model has {sorted(names)}")
     attn = _attention_caches(cache)

@@ -95,6 +95,7 @@ class LayerLayout:
     layers: tuple[tuple[int, int], ...]
     state_slots: tuple[int, ...] = ()
     state_pool: StatePool | None = attrs.field(default=None, eq=id)
+    groups: tuple[int, ...] = ()  # faces per entry of the model's cache list (a CacheList bundles several)
 
     def __attrs_post_init__(self) -> None:
         if not self.layers:
@@ -106,6 +107,8 @@ class LayerLayout:
         if sorted(set(self.state_slots)) != list(self.state_slots) or any(
                 not 0 <= i < self.num_slots for i in self.state_slots):
             raise InvalidValueError(f"bad recurrent cache slots {self.state_slots}")
+        if self.groups and (sum(self.groups) != self.num_slots or min(self.groups) < 1):
+            raise InvalidValueError(f"groups {self.groups} do not cover the {self.num_slots} cache slots")
         for spec, layer in self.layers:
             pool = self.specs[spec].pool
             if not 0 <= layer < pool.num_layers:

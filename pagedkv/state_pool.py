@@ -39,6 +39,7 @@ from pagedkv.errors import (
     check_int,
 )
 from pagedkv.in_place_writes import InPlaceWrites
+from pagedkv.mlx_lm_caches import flat_caches
 
 StateShapes = Sequence[Sequence[tuple[tuple[int, ...], mx.Dtype]]]
 """Per recurrent layer, per component: (the shape for one sequence, dtype)."""
@@ -84,7 +85,7 @@ class StatePool:
         if not hasattr(model, "make_cache"):
             raise NotSupportedError("the model has no make_cache(); it has no recurrent layers to hold")
         caches = model.make_cache()
-        recurrent = [c for c in caches if type(c).__name__ == "ArraysCache"]
+        recurrent = [c for c in flat_caches(caches) if type(c).__name__ == "ArraysCache"]
         if not recurrent:
             raise NotSupportedError("the model has no recurrent (ArraysCache) layers")
         model(mx.array([[0]]), cache=caches)

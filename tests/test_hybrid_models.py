@@ -36,6 +36,7 @@ from pagedkv import (
     save_cache,
 )
 from pagedkv.generation import prefill
+from pagedkv.mlx_lm_caches import flat_caches
 from pagedkv.serving import Engine, GenerationRequest, SamplingParams
 
 PAGE = 4
@@ -49,10 +50,15 @@ def model(request):
 def pools(model, pages: int = 96, slots: int = 12) -> tuple[PagePool, StatePool]:
     """A page pool for the model's attention layers (2 KV heads of 16 in both tiny
     configs) and a state pool for its recurrent layers."""
-    n_attn = sum(type(c).__name__ == "KVCache" for c in model.make_cache())
+    n_attn = sum(type(c).__name__ == "KVCache" for c in flat_caches(model.make_cache()))
     pool = PagePool(num_layers=n_attn, num_kv_heads=2, head_dim=16, page_size=PAGE, num_pages=pages,
                     dtype=mx.float32)
     return pool, StatePool.for_model(model, num_slots=slots)
+
+
+def faces(cache) -> list:
+    """A prompt cache's per-layer caches, a ``PagedCacheList``'s members in order."""
+    return [f for c in cache for f in (c.caches if type(c).__name__ == "PagedCacheList" else [c])]
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -237,7 +243,7 @@ def test_a_bad_state_rolls_the_step_back(model, bad):
     cache = make_paged_cache(model, pool, state_pool=states)
     model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     before = (state_of(pool, cache), state_pool_of(states))
-    face = next(c for c in cache if type(c).__name__ == "PagedStateCache")
+    face = next(c for c in faces(cache) if type(c).__name__ == "PagedStateCache")
     good = face[0]
     value = {"shape": good[:, :1], "dtype": good.astype(mx.float16), "type": np.array(good)}[bad]
     with pytest.raises((KvShapeError, KvDTypeError)):
@@ -253,7 +259,7 @@ def test_states_a_failed_forward_handed_in_are_never_read(model):
     pool, states = pools(model)
     cache = make_paged_cache(model, pool, state_pool=states)
     model(mx.array([[1, 2, 3]]), cache=cache)
-    face = next(c for c in cache if type(c).__name__ == "PagedStateCache")
+    face = next(c for c in faces(cache) if type(c).__name__ == "PagedStateCache")
     face[0] = face[0] + 100  # a forward that raised after this layer handed its state in
     got, _ = greedy(model, cache, [4], 3)
     assert got == reference(model, [1, 2, 3, 4], 3)[0]
@@ -266,10 +272,11 @@ def test_a_failing_attention_write_rolls_back_the_recurrent_layers_before_it(mod
     cache = make_paged_cache(model, pool, state_pool=states)
     model(mx.array([[1, 2, 3]]), cache=cache)
     before = (state_of(pool, cache), state_pool_of(states))
-    kinds = [type(c).__name__ for c in cache]
+    layers = faces(cache)
+    kinds = [type(c).__name__ for c in layers]
     first_state, first_kv = kinds.index("PagedStateCache"), kinds.index("PagedKVCache")
-    assert first_state < first_kv  # both architectures start with a recurrent layer
-    state_face, kv_face = cache[first_state], cache[first_kv]
+    assert first_state < first_kv  # every architecture here starts with a recurrent layer
+    state_face, kv_face = layers[first_state], layers[first_kv]
     for c in range(len(states.shapes[state_face.layer])):
         state_face[c] = state_face[c] + 1
     state_face.advance(1)  # the step is open: a recurrent layer wrote it
@@ -289,7 +296,7 @@ def test_hybrid_caches_refuse_what_recurrent_state_cannot_do(model, tmp_path):
         assert not any(c.is_trimmable() for c in cache)
         with pytest.raises(NotSupportedError):
             cache[-1].trim(1)
-        kv = next(c for c in cache if type(c).__name__ == "PagedKVCache")
+        kv = next(c for c in faces(cache) if type(c).__name__ == "PagedKVCache")
         with pytest.raises(NotSupportedError):
             kv.trim(1)
         assert sum(c.nbytes for c in cache) == (
@@ -302,7 +309,7 @@ def test_hybrid_caches_refuse_what_recurrent_state_cannot_do(model, tmp_path):
             save_cache(tmp_path / "c.safetensors", cache, tokens=[1, 2, 3])
         donors = donor_caches(cache)  # recurrent slots share nothing: passed through
         assert [type(d).__name__ for d in donors] == [
-            "DonorCache" if type(c).__name__ == "PagedKVCache" else "PagedStateCache" for c in cache]
+            "DonorCache" if type(c).__name__ == "PagedKVCache" else type(c).__name__ for c in cache]
     no_leaks(pool, states, cached_ok=False)
 
 
@@ -353,7 +360,7 @@ def test_the_engine_serves_a_hybrid_with_prefix_hits_and_preemption(model, slots
 def test_one_byte_budget_covers_pages_and_state_slots(model):
     pool, states = pools_for_model(model, max_bytes=1 << 20, page_size=8, state_slots=10)
     assert states.num_slots == 10 and states.num_layers == sum(
-        type(c).__name__ == "ArraysCache" for c in model.make_cache())
+        type(c).__name__ == "ArraysCache" for c in flat_caches(model.make_cache()))
     assert pool.nbytes + states.nbytes <= 1 << 20 < pool.nbytes + states.nbytes + pool.bytes_per_page
     with make_paged_cache(model, pool, state_pool=states) as cache:
         got, _ = greedy(model, cache, [1, 2, 3], 3)

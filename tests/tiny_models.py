@@ -6,6 +6,7 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
 from pagedkv import AffineQuant, PagePool, rotated
+from pagedkv.mlx_lm_caches import flat_caches
 
 VOCAB = 128
 
@@ -74,9 +75,16 @@ CONFIGS = {
         "layer_norm_epsilon": 1e-5, "use_bias": False, "use_conv_bias": True,
         "hybrid_override_pattern": ["M", "*", "-", "M", "M", "*"], "head_dim": 16,
     },
+    "falcon_h1": {  # Mamba-2 and attention side by side in every layer (mlx-lm CacheList)
+        "model_type": "falcon_h1", "head_dim": 16, "hidden_size": 64, "intermediate_size": 128,
+        "mamba_d_head": 16, "mamba_d_ssm": 64, "mamba_d_state": 16, "mamba_n_heads": 4, "mamba_n_groups": 1,
+        "mamba_chunk_size": 8, "num_attention_heads": 4, "num_hidden_layers": 3, "num_key_value_heads": 2,
+        "vocab_size": VOCAB, "max_position_embeddings": 1024,
+        "lm_head_multiplier": 1.0, "embedding_multiplier": 1.0,  # (logits of a useful spread)
+    },
 }
 
-HYBRIDS = ("qwen3_next", "nemotron_h")
+HYBRIDS = ("qwen3_next", "nemotron_h", "falcon_h1")
 """mlx-lm hybrid architectures (recurrent + attention layers) the hybrid tests run."""
 
 
@@ -98,7 +106,7 @@ def kv_dims(kind: str) -> tuple[int, int, int]:
         return t["num_hidden_layers"] - t["num_kv_shared_layers"], t["num_key_value_heads"], t["head_dim"]
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
     if kind in HYBRIDS:  # attention layers only
-        slots = [type(c).__name__ for c in make_model(kind).make_cache()]
+        slots = [type(c).__name__ for c in flat_caches(make_model(kind).make_cache())]
         return slots.count("KVCache"), cfg["num_key_value_heads"], head_dim
     return cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim
 
