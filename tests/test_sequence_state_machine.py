@@ -14,6 +14,7 @@ import hypothesis.strategies as st
 import mlx.core as mx
 import numpy as np
 import pytest
+from batch_rules import FilterBatchRule
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from mlx_lm.models.cache import KVCache, RotatingKVCache
@@ -61,7 +62,7 @@ def ids_in(k) -> list[int]:
     return [round(x) for x in np.array(k[0, 0, :, 0].astype(mx.float32)).tolist()]
 
 
-class Sequences(RuleBasedStateMachine):
+class Sequences(FilterBatchRule, RuleBasedStateMachine):
     codecs = (None, None)
 
     def __init__(self):
@@ -276,13 +277,6 @@ class Sequences(RuleBasedStateMachine):
         cache = self.batch.extract(i)
         ids = self.rows.pop(i)
         self.seqs.append((cache, [list(ids), list(ids)], True))
-
-    @precondition(lambda self: self.rows)
-    @rule(data=st.data())
-    def filter_batch(self, data):
-        keep = data.draw(st.lists(st.integers(0, len(self.rows) - 1), unique=True))
-        self.batch.filter(keep)
-        self.rows = [self.rows[i] for i in keep]
 
     # ------------------------------------------------------------------ invariants
     @invariant()
