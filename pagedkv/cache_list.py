@@ -25,10 +25,11 @@ class PagedCacheList:
         return all(c.is_trimmable() for c in self.caches)
 
     def trim(self, n: int) -> int:
-        """Trim every member (a hybrid's recurrent member refuses: ``NotSupportedError``,
-        before anything is trimmed)."""
-        if not self.is_trimmable():
-            return self.caches[[c.is_trimmable() for c in self.caches].index(False)].trim(n)
+        """Trim every member. A member that cannot trim raises its own typed error
+        first (a hybrid's recurrent member: ``NotSupportedError``), before any is trimmed."""
+        for c in self.caches:
+            if not c.is_trimmable():
+                return c.trim(n)
         return min(c.trim(n) for c in self.caches)
 
     def empty(self) -> bool:

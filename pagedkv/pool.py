@@ -316,7 +316,7 @@ class PagePool:
         holds (IN_USE). Every array is checked against ``page_arrays`` first; a refusal
         (``KvShapeError``, ``InvalidValueError``) writes nothing. O(bytes)."""
         ids = self.allocator.checked_ids(pages)
-        self._check_targets(ids, "write_pages")
+        check_write_targets(self.allocator, ids, "write_pages")
         specs = self.page_arrays()
         if set(data) != {name for name, _, _ in specs}:
             raise KvShapeError(f"write_pages needs exactly the arrays {[n for n, _, _ in specs[:4]]}...")
@@ -336,14 +336,6 @@ class PagePool:
                 a[rows] = next(it)
         mx.eval(self._k, self._v)
 
-    def _check_targets(self, ids: np.ndarray, what: str) -> None:
-        """Pages a write may target: distinct, and held by the caller (IN_USE)."""
-        if np.unique(ids).size != ids.size:
-            raise InvalidValueError(f"{what} targets a page twice")
-        if any(self.allocator.page_state(int(p)) != PageState.IN_USE for p in ids):
-            raise InvalidValueError(f"{what} writes only into pages the caller holds (IN_USE), "
-                                    "never into the null page or a free or cached page")
-
     def copy_pages(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy pages ``src`` onto pages ``dst`` in every layer (copy-on-write).
 
@@ -356,7 +348,7 @@ class PagePool:
             raise InvalidValueError(f"copy_pages got {src.size} source and {dst.size} target pages")
         if src.size == 0:
             return
-        self._check_targets(dst, "copy_pages")
+        check_write_targets(self.allocator, dst, "copy_pages")
         s = mx.array(self.array_rows(src).reshape(-1).astype(np.int32))
         d = mx.array(self.array_rows(dst).reshape(-1).astype(np.int32))
         for layer in range(self.num_layers):
@@ -375,6 +367,16 @@ class PagePool:
             f"k={self.k_codec.label()}, v={self.v_codec.label()}, "
             f"{self.nbytes / 2**20:.1f} MiB)"
         )
+
+
+def check_write_targets(allocator: BlockAllocator, ids: np.ndarray, what: str) -> None:
+    """Pages (or state slots) a write may target: distinct, and held by the caller
+    (IN_USE); ``InvalidValueError`` otherwise."""
+    if np.unique(ids).size != ids.size:
+        raise InvalidValueError(f"{what} targets a page twice")
+    if any(allocator.page_state(int(p)) != PageState.IN_USE for p in ids):
+        raise InvalidValueError(f"{what} writes only into pages the caller holds (IN_USE), "
+                                "never into the null page or a free or cached page")
 
 
 def host_dtype(dtype: mx.Dtype) -> np.dtype:

@@ -10,7 +10,7 @@ from pagedkv.codec import AffineQuant, rotated
 from pagedkv.errors import InvalidValueError, NotSupportedError, check_int
 from pagedkv.mlx_lm_caches import flat_caches
 from pagedkv.pool import PagePool
-from pagedkv.state_pool import StatePool
+from pagedkv.state_pool import StatePool, state_shapes
 
 
 def _probe(model) -> list:
@@ -50,7 +50,7 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
     states = None
     if "ArraysCache" in names:
         slots = 64 if state_slots is None else check_int("state_slots", state_slots, minimum=2)
-        states = StatePool.for_model(model, num_slots=slots)
+        states = StatePool(state_shapes(cache), num_slots=slots)  # (from the same probe forward)
     elif state_slots is not None:
         raise InvalidValueError("state_slots is for hybrid models; this one has no recurrent layers")
     left = max_bytes - (states.nbytes if states is not None else 0)

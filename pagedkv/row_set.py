@@ -374,7 +374,7 @@ class RowSet:
         return start
 
     def _close_if_done(self) -> None:
-        done = len(self._saved) + (len(self.states._advanced) if self.states is not None else 0)
+        done = len(self._saved) + (self.states.num_advanced if self.states is not None else 0)
         if self._journal and done >= self._writers:
             self._close_step()
 
@@ -399,9 +399,7 @@ class RowSet:
         try:
             count = check_int("count", count, minimum=1)
             start = states.tokens[layer].copy()
-            joins = (states.in_step and layer not in states._advanced and count == self._step_count
-                     and np.array_equal(start, self._step_from))
-            if not joins:
+            if not (states.waits_in_step(layer) and self._continues_step(start, count)):
                 for ts in self._tables:
                     if any(t.num_tokens != p for t, p in zip(ts, start)):
                         raise KvShapeError(f"recurrent layer {layer} is at {start.tolist()} but the attention "
@@ -416,7 +414,7 @@ class RowSet:
     def _abort_state(self, layer: int) -> None:
         """A recurrent layer failed: roll the open step back if the layer had not
         finished it yet; otherwise just forget what it handed in."""
-        if self.states.in_step and layer not in self.states._advanced:
+        if self.states.waits_in_step(layer):
             self._abort_step()
         self.states.drop_pending()
 
@@ -429,11 +427,14 @@ class RowSet:
             raise NotSupportedError(f"a one-sequence cache takes batch 1, got {keys.shape[0]} (use PagedBatch)")
         return self.pool_of(layer).check_kv(keys, values, rows=self.num_rows)
 
+    def _continues_step(self, start: np.ndarray, count: int) -> bool:
+        """A write of ``count`` tokens per row at ``start`` belongs to the open step."""
+        return count == self._step_count and np.array_equal(start, self._step_from)
+
     def _prepare(self, layer: int, start: np.ndarray, count: int) -> None:
         """Make tokens [start, start + count) of every row of ``layer``'s tables writable."""
         spec = self.layout.layers[layer][0]
-        if (spec in self._step_specs and count == self._step_count and layer not in self._saved
-                and np.array_equal(start, self._step_from)):
+        if spec in self._step_specs and layer not in self._saved and self._continues_step(start, count):
             self._saved[layer] = (self.offsets[layer].copy(), self.step_starts[layer].copy())
             return  # the common case: a later layer of the open step, whose pages are reserved
         tables = self._tables[spec]
@@ -477,10 +478,11 @@ class RowSet:
             if (self.states.tokens != start).any():
                 raise KvShapeError(f"the recurrent layers stand at {self.states.tokens.tolist()}, the step at "
                                    f"{start.tolist()}: layers of one sequence must advance together")
-            need, available = self.states.needs(), self.states.pool.allocator.num_available()
+            moving = self.states.moving()
+            need, available = int(moving.sum()), self.states.pool.allocator.num_available()
             if need > available:
                 raise PoolExhausted(need, available)
-            self.states.reserve()
+            self.states.reserve(moving)
         for t, plan in plans:  # cannot run out now: every pool was checked for all its tables
             records: list = []
             t.prepare_write(int(t.num_tokens), count, undo=records, plan=plan)

@@ -85,19 +85,16 @@ class RowStates:
         pending = self._pending.setdefault(layer, [None] * len(self.pool.shapes[layer]))
         pending[component] = value
 
-    def needs(self) -> int:
-        """Fresh slots a step opened now would take (rows moving off a shared slot)."""
-        return int(self._moving().sum())
-
-    def _moving(self) -> np.ndarray:
+    def moving(self) -> np.ndarray:
+        """Bool [rows]: the rows a step opened now moves to a fresh slot (their slot is
+        the null slot, shared, or a checkpoint)."""
         alloc, null = self.pool.allocator, self.pool.null_slot
         return np.fromiter((s == null or alloc.refcount(int(s)) > 1 or alloc.is_cacheable(int(s))
                             for s in self.slots), bool, self.slots.size)
 
-    def reserve(self) -> None:
-        """Open a step: take the fresh slots of moving rows (the caller checked that the
-        pool has them, so this cannot run out)."""
-        moving = self._moving()
+    def reserve(self, moving: np.ndarray) -> None:
+        """Open a step: take fresh slots for the ``moving`` rows (the caller checked that
+        the pool has them, so this cannot run out)."""
         self._reserved = self.pool.allocator.allocate(int(moving.sum())) if moving.any() \
             else np.zeros(0, np.int64)
         self._targets = self.slots.copy()
@@ -106,6 +103,15 @@ class RowStates:
     @property
     def in_step(self) -> bool:
         return self._targets is not None
+
+    def waits_in_step(self, layer: int) -> bool:
+        """A step is open and ``layer`` has not advanced in it yet."""
+        return self._targets is not None and layer not in self._advanced
+
+    @property
+    def num_advanced(self) -> int:
+        """Layers that advanced in the open step."""
+        return len(self._advanced)
 
     def advanced(self, layer: int, count: int) -> None:
         """``layer`` wrote this step's ``count`` tokens (after ``reserve``)."""

@@ -14,7 +14,6 @@ Ownership: the face owns nothing; the row set owns the slots.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from pagedkv.errors import KvShapeError, NotSupportedError
 from pagedkv.row_set import RowSet
@@ -82,8 +81,7 @@ class PagedStateCache:
     def nbytes(self) -> int:
         """This layer's share of the state slots the rows hold."""
         states = self.rows.states
-        per_row = sum(int(np.prod(s)) * d.size for s, d in states.pool.shapes[self.layer])
-        return per_row * int((states.slots != states.pool.null_slot).sum())
+        return states.pool.layer_bytes(self.layer) * int((states.slots != states.pool.null_slot).sum())
 
     def is_trimmable(self) -> bool:
         return False

@@ -29,7 +29,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from allocators import BlockAllocator, FreeListAllocator, PageState
+from allocators import BlockAllocator, FreeListAllocator
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -40,6 +40,7 @@ from pagedkv.errors import (
 )
 from pagedkv.in_place_writes import InPlaceWrites
 from pagedkv.mlx_lm_caches import flat_caches
+from pagedkv.pool import check_write_targets
 
 StateShapes = Sequence[Sequence[tuple[tuple[int, ...], mx.Dtype]]]
 """Per recurrent layer, per component: (the shape for one sequence, dtype)."""
@@ -85,26 +86,22 @@ class StatePool:
         if not hasattr(model, "make_cache"):
             raise NotSupportedError("the model has no make_cache(); it has no recurrent layers to hold")
         caches = model.make_cache()
-        recurrent = [c for c in flat_caches(caches) if type(c).__name__ == "ArraysCache"]
-        if not recurrent:
-            raise NotSupportedError("the model has no recurrent (ArraysCache) layers")
         model(mx.array([[0]]), cache=caches)
-        shapes = []
-        for c in recurrent:
-            if any(a is None for a in c.cache):
-                raise NotSupportedError("a recurrent layer left a state component unset after a step")
-            shapes.append([(tuple(a.shape[1:]), a.dtype) for a in c.cache])
-        return cls(shapes, num_slots=num_slots, max_bytes=max_bytes)
+        return cls(state_shapes(caches), num_slots=num_slots, max_bytes=max_bytes)
 
     # ------------------------------------------------------------------ sizes
     @property
     def num_layers(self) -> int:
         return len(self.shapes)
 
+    def layer_bytes(self, layer: int) -> int:
+        """Bytes of one sequence's state in recurrent layer ``layer`` (all its components)."""
+        return sum(int(np.prod(shape)) * dtype.size for shape, dtype in self.shapes[layer])
+
     @property
     def bytes_per_slot(self) -> int:
         """Bytes of one sequence's whole state (every recurrent layer and component)."""
-        return sum(int(np.prod(shape)) * dtype.size for layer in self.shapes for shape, dtype in layer)
+        return sum(self.layer_bytes(r) for r in range(self.num_layers))
 
     @property
     def usable_slots(self) -> int:
@@ -144,9 +141,7 @@ class StatePool:
         """Copy every component of slots ``src`` onto slots ``dst`` (distinct, held)."""
         if src.size == 0:
             return
-        if np.unique(dst).size != dst.size or any(self.allocator.page_state(int(s)) != PageState.IN_USE
-                                                  for s in dst):
-            raise InvalidValueError("copy_slots writes into distinct slots the caller holds")
+        check_write_targets(self.allocator, dst, "copy_slots")
         s, d = mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32))
         for layer, arrays in enumerate(self._arrays):
             self._writes.settle(layer)
@@ -163,6 +158,21 @@ class StatePool:
     def __repr__(self) -> str:
         return (f"StatePool(layers={self.num_layers}, slots={self.num_slots}, "
                 f"{self.bytes_per_slot / 2**10:.1f} KiB/slot, {self.nbytes / 2**20:.1f} MiB)")
+
+
+def state_shapes(caches: list) -> StateShapes:
+    """The ``StateShapes`` of the recurrent (``ArraysCache``) layers of mlx-lm caches that
+    have run a step."""
+    shapes = []
+    for c in flat_caches(caches):
+        if type(c).__name__ != "ArraysCache":
+            continue
+        if any(a is None for a in c.cache):
+            raise NotSupportedError("a recurrent layer left a state component unset after a step")
+        shapes.append([(tuple(a.shape[1:]), a.dtype) for a in c.cache])
+    if not shapes:
+        raise NotSupportedError("the model has no recurrent (ArraysCache) layers")
+    return shapes
 
 
 def _component(c: object) -> tuple[tuple[int, ...], mx.Dtype]:

@@ -36,10 +36,13 @@ def _owner(o) -> tuple:
     raise TypeError(f"no snapshot for {type(o).__name__}")
 
 
+def _allocator(a) -> tuple:
+    return (a.stats(), a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(),
+            tuple(a.cached_pages()), np.asarray(a._free_ids()).tobytes())
+
+
 def state_of(pool, *owners, arrays: bool = True) -> tuple:
-    a = pool.allocator
-    alloc = (a.stats(), a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(),
-             tuple(a.cached_pages()), np.asarray(a._free_ids()).tobytes())
+    alloc = _allocator(pool.allocator)
     data = []
     if arrays:
         data = [(_bytes(k), _bytes(v)) for ks, vs in zip(pool._k, pool._v) for k, v in zip(ks, vs)]
@@ -48,10 +51,7 @@ def state_of(pool, *owners, arrays: bool = True) -> tuple:
 
 def state_pool_of(pool) -> tuple:
     """A ``StatePool``'s allocator and arrays, as ``state_of`` captures a page pool's."""
-    a = pool.allocator
-    alloc = (a.stats(), a._state.tobytes(), a._refcount.tobytes(), a._cacheable.tobytes(),
-             tuple(a.cached_pages()), np.asarray(a._free_ids()).tobytes())
-    return alloc, tuple(_bytes(x) for r in range(pool.num_layers) for x in pool.storage(r))
+    return _allocator(pool.allocator), tuple(_bytes(x) for r in range(pool.num_layers) for x in pool.storage(r))
 
 
 def _bytes(x: mx.array) -> bytes:

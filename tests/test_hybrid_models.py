@@ -56,9 +56,11 @@ def pools(model, pages: int = 96, slots: int = 12) -> tuple[PagePool, StatePool]
     return pool, StatePool.for_model(model, num_slots=slots)
 
 
-def faces(cache) -> list:
-    """A prompt cache's per-layer caches, a ``PagedCacheList``'s members in order."""
-    return [f for c in cache for f in (c.caches if type(c).__name__ == "PagedCacheList" else [c])]
+def faces(cache, kind: str | None = None) -> list:
+    """A prompt cache's per-layer caches, a ``PagedCacheList``'s members in order (only
+    those of class ``kind`` if given)."""
+    out = [f for c in cache for f in (c.caches if type(c).__name__ == "PagedCacheList" else [c])]
+    return out if kind is None else [f for f in out if type(f).__name__ == kind]
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -243,7 +245,7 @@ def test_a_bad_state_rolls_the_step_back(model, bad):
     cache = make_paged_cache(model, pool, state_pool=states)
     model(mx.array([[1, 2, 3, 4, 5]]), cache=cache)
     before = (state_of(pool, cache), state_pool_of(states))
-    face = next(c for c in faces(cache) if type(c).__name__ == "PagedStateCache")
+    face = faces(cache, "PagedStateCache")[0]
     good = face[0]
     value = {"shape": good[:, :1], "dtype": good.astype(mx.float16), "type": np.array(good)}[bad]
     with pytest.raises((KvShapeError, KvDTypeError)):
@@ -259,7 +261,7 @@ def test_states_a_failed_forward_handed_in_are_never_read(model):
     pool, states = pools(model)
     cache = make_paged_cache(model, pool, state_pool=states)
     model(mx.array([[1, 2, 3]]), cache=cache)
-    face = next(c for c in faces(cache) if type(c).__name__ == "PagedStateCache")
+    face = faces(cache, "PagedStateCache")[0]
     face[0] = face[0] + 100  # a forward that raised after this layer handed its state in
     got, _ = greedy(model, cache, [4], 3)
     assert got == reference(model, [1, 2, 3, 4], 3)[0]
@@ -296,7 +298,7 @@ def test_hybrid_caches_refuse_what_recurrent_state_cannot_do(model, tmp_path):
         assert not any(c.is_trimmable() for c in cache)
         with pytest.raises(NotSupportedError):
             cache[-1].trim(1)
-        kv = next(c for c in faces(cache) if type(c).__name__ == "PagedKVCache")
+        kv = faces(cache, "PagedKVCache")[0]
         with pytest.raises(NotSupportedError):
             kv.trim(1)
         assert sum(c.nbytes for c in cache) == (

@@ -6,7 +6,6 @@ import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
 from pagedkv import AffineQuant, PagePool, rotated
-from pagedkv.mlx_lm_caches import flat_caches
 
 VOCAB = 128
 
@@ -105,9 +104,6 @@ def kv_dims(kind: str) -> tuple[int, int, int]:
         t = cfg["text_config"]
         return t["num_hidden_layers"] - t["num_kv_shared_layers"], t["num_key_value_heads"], t["head_dim"]
     head_dim = cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-    if kind in HYBRIDS:  # attention layers only
-        slots = [type(c).__name__ for c in flat_caches(make_model(kind).make_cache())]
-        return slots.count("KVCache"), cfg["num_key_value_heads"], head_dim
     return cfg["num_hidden_layers"], cfg["num_key_value_heads"], head_dim
 
 
