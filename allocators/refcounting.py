@@ -11,12 +11,13 @@ for the one-page calls, a numpy view of the same memory for the batched calls)::
     state      bytearray   / int8 view    FREE 0, CACHED 2, RESERVED 3; read only when
                                           the count is 0 (an IN_USE page keeps 0 here)
     cacheable  bytearray   / bool view    a count reaching 0 sends the page to CACHED
-    log_pos    array('q')  / int64 view   where the page's newest entry in the LRU log is
+    log_pos    array('q')  / int64 view   where the page's live entry in the LRU log is
+                                          (-1, or an entry behind ``head``: none)
 
 The LRU of CACHED pages is a log: each time a page becomes CACHED its id is appended
-(``log``, read from ``head``, oldest first). An entry is live iff its page is still
-CACHED and ``log_pos[page]`` points at it; a page revived by ``touch`` or cached again
-just leaves a dead entry behind. Evicting takes live entries from the head (a slice
+(``log``, read from ``head``, oldest first). An entry is live iff ``log_pos[page]``
+points at it: a page revived by ``touch`` or un-cached gets ``log_pos`` -1, and a page
+cached again points at its new entry, so either leaves a dead entry behind. Evicting takes live entries from the head (a slice
 test in numpy for many pages), so neither caching nor reviving nor evicting a page
 moves anything else. The log is compacted (live entries only) when it has doubled,
 which keeps it O(num_pages) and the compaction O(1) per append, amortised.
@@ -70,8 +71,19 @@ NULL_PAGE = 0
 
 DEBUG_ENV = "PAGEDKV_CHECK_INVARIANTS"
 
+_FEW = 96
+"""Lists up to this long take a plain Python loop where one exists: below it, a loop
+costs less than the ~1 us that each numpy call costs whatever its size."""
+
 _MUTATORS = ("allocate", "allocate_page", "incref", "decref", "decref_page", "fork", "touch",
              "set_cacheable", "evict", "allocate_contiguous")
+
+
+def _any(mask: np.ndarray) -> bool:
+    """``mask.any()`` for a 1-d bool array: a byte search instead of a numpy reduction,
+    which costs about 1 us per call whatever the size (the batched calls here take
+    tens to hundreds of pages, where that overhead is most of the call)."""
+    return 1 in mask.tobytes()
 
 
 def _require_count(n: object, what: str = "n") -> int:
@@ -210,7 +222,7 @@ class RefCountingAllocator:
             return True
         pos = self._positions[: a.size]
         self._scratch[a] = pos
-        return bool((self._scratch[a] != pos).any())
+        return self._scratch[a].tobytes() != pos.tobytes()
 
     def _states_of(self, a: np.ndarray) -> np.ndarray:
         """The PageState of each page in ``a`` (IN_USE lives in the count)."""
@@ -230,13 +242,17 @@ class RefCountingAllocator:
         if not ok.all():
             self._refuse(call, int(a[int(np.argmin(ok))]))
 
-    def _require_held_or_cached(self, a: np.ndarray, counts: np.ndarray, call: str) -> tuple[np.ndarray, bool]:
-        """Raise unless every page is IN_USE or CACHED; returns (count == 0, any such)."""
-        idle = counts == 0
-        any_idle = bool(idle.any())
-        if any_idle and (self._state[a[idle]] != _CACHED).any():
+    def _idle_of(self, a: np.ndarray, counts: np.ndarray, call: str) -> np.ndarray | None:
+        """Raise unless every page is IN_USE or CACHED; return the CACHED ones (count 0),
+        or None when every page is IN_USE."""
+        held = np.count_nonzero(counts)
+        if held == counts.size:
+            return None
+        idle = a if held == 0 else a[counts == 0]
+        st = self._state[idle].tobytes()
+        if st.count(_CACHED) != len(st):
             self._require_state(a, (_IN_USE, _CACHED), call)
-        return idle, any_idle
+        return idle
 
     def _note_peak(self) -> None:
         """Record the fewest free + cached pages seen (``allocate_page`` inlines this)."""
@@ -360,7 +376,7 @@ class RefCountingAllocator:
             return
         rc = self._refcount
         r = rc[a]
-        if r.min() < 1:  # count >= 1 iff IN_USE
+        if np.count_nonzero(r) != r.size:  # count >= 1 iff IN_USE (counts are never < 0)
             self._require_state(a, (_IN_USE,), "incref")
         if self._has_duplicates(a):
             np.add.at(rc, a, 1)
@@ -380,6 +396,8 @@ class RefCountingAllocator:
         the most-recently-used end in the order listed) or FREE. Raises ``RefCountError``
         (a double free) if a page is not IN_USE or would drop below zero.
         """
+        if ids.__class__ is list and len(ids) <= _FEW and self._decref_few(ids):
+            return
         a = self._ids(ids)
         if a.size <= 1:
             if a.size:
@@ -387,7 +405,7 @@ class RefCountingAllocator:
             return
         rc = self._refcount
         r = rc[a]
-        if r.min() < 1:  # count >= 1 iff IN_USE
+        if np.count_nonzero(r) != r.size:  # count >= 1 iff IN_USE (counts are never < 0)
             self._require_state(a, (_IN_USE,), "decref")
         if self._has_duplicates(a):
             u, c = np.unique(a, return_counts=True)
@@ -401,7 +419,10 @@ class RefCountingAllocator:
         else:
             r -= 1
             rc[a] = r
-            zero = a[r == 0]
+            left = np.count_nonzero(r)  # a released sequence: usually none left, or all
+            if left == r.size:
+                return
+            zero = a if left == 0 else a[r == 0]
         if zero.size:
             self._release_zero(zero)
 
@@ -410,48 +431,57 @@ class RefCountingAllocator:
 
         CACHED pages are revived (removed from the LRU) with count 1.
         """
+        if ids.__class__ is list and len(ids) <= _FEW and self._touch_few(ids):
+            return
         a = self._ids(ids)
         if a.size == 0:
             return
         rc = self._refcount
         r = rc[a]
-        idle, any_idle = self._require_held_or_cached(a, r, "touch")
+        cached = self._idle_of(a, r, "touch")
         dup = self._has_duplicates(a)
-        if any_idle:
-            cached = a[idle]
+        if cached is not None:
             if dup:
                 cached = np.unique(cached)
-            self._state[cached] = _FREE  # the byte an IN_USE page keeps; its log entry dies
+            self._state[cached] = _FREE  # the byte an IN_USE page keeps
+            self._log_pos_np[cached] = -1  # its log entry dies
             self._num_cached -= cached.size
             self._revived += cached.size
             self._note_peak()
         if dup:
             np.add.at(rc, a, 1)
         else:
-            rc[a] = r + 1
+            r += 1
+            rc[a] = r
 
     def set_cacheable(self, ids: Sequence[int] | np.ndarray, cacheable: bool = True) -> None:
         """Mark IN_USE or CACHED pages as (not) kept CACHED when their count reaches 0.
 
         Un-marking a CACHED page frees it at once (its key was dropped).
         """
-        if cacheable is True and ids.__class__ is list and len(ids) == 1:  # one page in use
-            page = ids[0]
-            if page.__class__ is int and 0 <= page < self._n and self._rc[page] > 0:
-                self._cacheable_b[page] = 1
+        if cacheable is True and ids.__class__ is list and len(ids) <= _FEW:  # a few pages in use
+            rc, n = self._rc, self._n
+            for page in ids:
+                if page.__class__ is not int or not 0 <= page < n or rc[page] <= 0:
+                    break  # (the array path says what is wrong)
+            else:
+                flags = self._cacheable_b
+                for page in ids:
+                    flags[page] = 1
                 self._caching = True
                 return
         a = self._ids(ids)
         if a.size == 0:
             return
-        idle, any_idle = self._require_held_or_cached(a, self._refcount[a], "set_cacheable")
+        cached = self._idle_of(a, self._refcount[a], "set_cacheable")
         self._cacheable[a] = bool(cacheable)
         if cacheable:
             self._caching = True
-        elif any_idle:
-            cached = np.unique(a[idle])
+        elif cached is not None:
+            cached = np.unique(cached)
             self._num_cached -= cached.size
             self._state[cached] = _FREE
+            self._log_pos_np[cached] = -1
             self._uncached += cached.size
             self._push_free(cached)
 
@@ -463,13 +493,75 @@ class RefCountingAllocator:
         return self._evict(n)
 
     # ------------------------------------------------------------------ internals
+    def _decref_few(self, ids: list) -> bool:
+        """``decref`` of a short list of distinct IN_USE ids, in a Python loop. Returns
+        False, having changed nothing, when the list needs the array path (an id that is
+        not an int in range or not IN_USE, or a repeated id: that path says which)."""
+        rc, n = self._rc, self._n
+        for page in ids:
+            if page.__class__ is not int or not 0 <= page < n or rc[page] < 1:
+                return False
+        if len(set(ids)) != len(ids):
+            return False
+        zero = []
+        for page in ids:
+            count = rc[page]
+            rc[page] = count - 1
+            if count == 1:
+                zero.append(page)
+        if zero:
+            self._zeroed += len(zero)
+            if self._caching:  # decref_page's transition, page by page
+                flags, state, pos, log, give = self._cacheable_b, self._state_b, self._log_pos, self._log, self._give_free
+                at = first = self._log_base + len(log)
+                for page in zero:
+                    if flags[page]:
+                        state[page] = _CACHED
+                        pos[page] = at
+                        log.append(page)
+                        at += 1
+                    else:
+                        give(page)
+                self._num_cached += at - first
+                self._to_cached += at - first
+                if len(log) > self._log_limit:
+                    self._compact_log()
+            else:
+                for page in zero:
+                    self._give_free(page)
+        return True
+
+    def _touch_few(self, ids: list) -> bool:
+        """``touch`` of a short list of distinct ids, each IN_USE or CACHED, in a Python
+        loop; False (nothing changed) when the list needs the array path."""
+        rc, n, state = self._rc, self._n, self._state_b
+        for page in ids:
+            if page.__class__ is not int or not 0 <= page < n or (rc[page] < 1 and state[page] != _CACHED):
+                return False
+        if len(set(ids)) != len(ids):
+            return False
+        pos, revived = self._log_pos, 0
+        for page in ids:
+            count = rc[page]
+            if not count:  # revive: the byte an IN_USE page keeps, and its log entry dies
+                state[page] = _FREE
+                pos[page] = -1
+                revived += 1
+            rc[page] = count + 1
+        if revived:
+            self._num_cached -= revived
+            self._revived += revived
+            self._note_peak()
+        return True
+
     def _release_zero(self, zero: np.ndarray) -> None:
         """Pages whose count just reached 0: to the LRU if cacheable, else FREE."""
         self._zeroed += zero.size
         if self._caching:
             keep = self._cacheable[zero]
-            if keep.any():
-                to_cache = zero[keep]
+            kept = np.count_nonzero(keep)
+            if kept:
+                to_cache = zero if kept == zero.size else zero[keep]
                 self._state[to_cache] = _CACHED
                 start = self._log_base + len(self._log)
                 self._log_pos_np[to_cache] = np.arange(start, start + to_cache.size)
@@ -478,9 +570,10 @@ class RefCountingAllocator:
                 self._to_cached += to_cache.size
                 if len(self._log) > self._log_limit:
                     self._compact_log()
+                if kept == zero.size:
+                    return
                 zero = zero[~keep]
-        if zero.size:
-            self._push_free(zero)
+        self._push_free(zero)
 
     def _evict(self, n: int) -> list[int]:
         """Evict the ``n`` least recently used CACHED pages to FREE (``n <= num_cached``)."""
@@ -501,26 +594,22 @@ class RefCountingAllocator:
         return out
 
     def _evict_page(self) -> int:
-        """Evict the least recently used CACHED page; it is FREE but in no free set yet."""
-        page = self._take_lru_page()
+        """Evict the least recently used CACHED page (the oldest live log entry, tested
+        as ``_live`` tests many); it is FREE but in no free set yet."""
+        log, pos = self._log, self._log_pos
+        h, base = self._head, self._log_base
+        while True:
+            page = log[h]
+            if pos[page] == base + h:
+                break
+            h += 1
+        self._head = h + 1
+        self._num_cached -= 1
         self._state_b[page] = _FREE
         self._cacheable_b[page] = False
         self._evicted += 1
         for listener in self.evict_listeners:
             listener([page])
-        return page
-
-    def _take_lru_page(self) -> int:
-        """Consume the oldest live log entry and return its page (still marked CACHED)."""
-        log, pos, state = self._log, self._log_pos, self._state_b
-        h, base = self._head, self._log_base
-        while True:
-            page = log[h]
-            if pos[page] == base + h and state[page] == _CACHED:
-                break
-            h += 1
-        self._head = h + 1
-        self._num_cached -= 1
         return page
 
     def _take_lru(self, n: int) -> np.ndarray:
@@ -553,9 +642,9 @@ class RefCountingAllocator:
 
     def _live(self, entries: np.ndarray, index: int) -> np.ndarray:
         """Which of the log entries starting at ``self._log[index]`` are live (see the
-        module doc; ``_take_lru_page`` tests one entry the same way)."""
+        module doc; ``_evict_page`` tests one entry the same way)."""
         at = np.arange(self._log_base + index, self._log_base + index + entries.size)
-        return (self._log_pos_np[entries] == at) & (self._state[entries] == _CACHED)
+        return self._log_pos_np[entries] == at
 
     def _compact_log(self) -> None:
         """Keep only the live entries (O(log length), after the log doubled)."""

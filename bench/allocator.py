@@ -17,10 +17,16 @@ Scenarios (P = pages in the pool, page size 16):
   cache churn n=1 / n=256   allocate n pages, register them under new keys, free them: the
                             pool is full of cached pages, so each page handed out evicts
                             the least recently used one and its key
-  decode churn off / on     64 sequences decode; a page per sequence every 16 steps;
-                            finished sequences free their pages (last page first) and a
-                            new prompt takes their place; "on" registers each page that
-                            fills. Keys and hashes are computed before the clock starts.
+  decode churn off / on     64 sequences decode from a running start (the pool and the
+                            first prompts are set up before the clock); a page per
+                            sequence every 16 steps; finished sequences free their pages
+                            (last page first) and a new prompt takes their place; "on"
+                            registers each page as it fills (vLLM: per request; pagedkv:
+                            the step's pages in one call). Keys and hashes are computed
+                            before the clock starts, as they are when tokens arrive.
+                            "at release": pagedkv registers a sequence's pages when it
+                            leaves (what its engine does; the audit's cached count then
+                            leaves out the running sequences' pages); vLLM as "on"
   prefix hits + hashing     requests = one of 8 shared 1024-token system prompts + 256
                             own tokens: hash/cut the keys of the prompt, find the longest
                             cached prefix, take it, allocate the rest, register, free
@@ -100,6 +106,9 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 # ---------------------------------------------------------------------------- sides
 class Side:
     """One side of a scenario: ``run()`` does one round of operations; ``audit()``."""
+
+    def setup(self) -> None:
+        """Untimed work before each round (building a fresh pool, say)."""
 
     def run(self) -> None: ...
 
@@ -214,14 +223,17 @@ class CacheChurn(Side):
 
 
 def _decode_trace(steps: int, batch: int, seed: int = 0):
-    """The same decode schedule for both sides: per step, which sequences cross a page
-    boundary, and the prompts that replace the sequences that finished."""
+    """The same decode schedule for both sides. Per step: ``fill``, the (sequence, page
+    index) of each page that just filled (registered when caching is on); ``grow``, the
+    sequences that need a new page; ``new``, (sequence, tokens, prompt length, full pages
+    of the sequence it replaces) of the prompts that replace the sequences that finished
+    (their tokens known ahead)."""
     rng = random.Random(seed)
     lengths, limits, tokens = [], [], []
 
     def prompt() -> tuple[list[int], int]:
         t = _tokens(rng, rng.randint(16, 512))
-        return t + _tokens(rng, rng.randint(64, 1024)), len(t)  # generated tokens known ahead
+        return t + _tokens(rng, rng.randint(64, 1024)), len(t)
 
     for _ in range(batch):
         t, plen = prompt()
@@ -229,74 +241,55 @@ def _decode_trace(steps: int, batch: int, seed: int = 0):
         lengths.append(plen)
         limits.append(len(t))
     initial = [(tokens[i], lengths[i]) for i in range(batch)]
+    cached = [n // PAGE for n in lengths]
     events = []
     for _ in range(steps):
-        grow, new = [], []
+        fill, grow, new = [], [], []
         for i in range(batch):
             if lengths[i] % PAGE == 0:
+                if lengths[i] // PAGE > cached[i]:
+                    fill.append((i, cached[i]))
+                    cached[i] += 1
                 grow.append(i)
             lengths[i] += 1
         for i in range(batch - 1, -1, -1):
             if lengths[i] >= limits[i]:
+                done = lengths[i] // PAGE  # the finished sequence's full pages
                 t, plen = prompt()
                 tokens[i], lengths[i], limits[i] = t, plen, len(t)
-                new.append((i, t, plen))
-        events.append((grow, new))
+                cached[i] = plen // PAGE
+                new.append((i, t, plen, done))
+        events.append((fill, grow, new))
     return initial, events
 
 
 class DecodeChurn(Side):
-    def __init__(self, kind: str, caching: bool, steps: int, batch: int = 64) -> None:
+    """64 sequences decode from a running start (``setup``, untimed: a fresh pool with
+    the first prompts admitted); ``run`` replays the steps. A step registers the pages
+    that filled (pagedkv: ``register_next``, one call for the step; vLLM:
+    ``cache_full_blocks`` per request, as its scheduler does), gives the growing
+    sequences a page each, and replaces the finished ones: free (last page first),
+    allocate and register the new prompt's pages."""
+
+    def __init__(self, kind: str, caching: bool | str, steps: int, batch: int = 64) -> None:
+        # caching "at release": pagedkv registers a sequence's pages when it leaves, in
+        # one call, as its serving engine does (vLLM has no such mode: per block as on)
+        self.at_release = caching == "at release" and kind != "vllm"
+        caching = bool(caching)
         self.kind, self.caching, self.steps, self.batch = kind, caching, steps, batch
         self.initial, self.events = _decode_trace(steps, batch)
         self.num_pages = batch * 1600 // PAGE
-        if kind == "vllm":
-            self.reqs = {}
+        seqs = [t for t, _ in self.initial] + [t for _, _, new in self.events for _, t, _, _ in new]
+        if kind == "vllm":  # hashes / keys of every sequence, as they would be computed when tokens arrive
+            self.hashes = {id(t): vllm.request_block_hashes(vllm.Request(t, []), PAGE) for t in seqs}
         else:
-            self.keys = {}
-        self._prepare()
+            cutter = PrefixCache(_pool(1))
+            self.cut = {id(t): cutter.keys(t).pages for t in seqs}
 
-    def _prepare(self) -> None:
-        """Untimed: hashes / keys of every sequence (vLLM computes them as tokens arrive)."""
-        seqs = [t for t, _ in self.initial] + [t for _, new in self.events for _, t, _ in new]
-        if self.kind == "vllm":
-            self.hashes = {}
-            for t in seqs:
-                r = vllm.Request(t, [])
-                self.hashes[id(t)] = vllm.request_block_hashes(r, PAGE)
-        else:
-            self.pool = _pool(self.num_pages)
-            self.prefix = PrefixCache(self.pool)
-            self.all_keys = {id(t): self.prefix.keys(t) for t in seqs}
-
-    def _replay(self, admit, register, append_page, free) -> None:
-        """The decode schedule, through one side's calls (the same calls on both sides)."""
-        ps = PAGE
-        tables, seqs, lengths, cached = [], [], [], []
-        for t, plen in self.initial:
-            table, seq = admit(t, plen)
-            tables.append(table)
-            seqs.append(seq)
-            lengths.append(plen)
-            cached.append(plen // ps)
-        for grow, new in self.events:
-            for i in grow:
-                full = lengths[i] // ps
-                if self.caching and full > cached[i]:  # the page that just filled
-                    register(tables[i], seqs[i], cached[i], full)
-                    cached[i] = full
-                append_page(tables[i])
-            for i in range(len(lengths)):
-                lengths[i] += 1
-            for (i, t, plen) in new:
-                free(tables[i])
-                tables[i], seqs[i] = admit(t, plen)
-                lengths[i], cached[i] = plen, plen // ps
-
-    def run(self) -> None:
+    def setup(self) -> None:
         ps, caching = PAGE, self.caching
         if self.kind == "vllm":
-            pool = vllm.BlockPool(self.num_pages + 1, enable_caching=caching)
+            pool = self.pool = vllm.BlockPool(self.num_pages + 1, enable_caching=caching)
             get, cache = pool.get_new_blocks, pool.cache_full_blocks
 
             def admit(t, plen):
@@ -305,11 +298,8 @@ class DecodeChurn(Side):
                 if caching:
                     cache(req, blocks, 0, plen // ps, ps, 0)
                 return blocks, req
-
-            self._replay(admit, lambda blocks, req, first, full: cache(req, blocks, first, full, ps, 0),
-                         lambda blocks: blocks.extend(get(1)), lambda blocks: pool.free_blocks(reversed(blocks)))
         else:
-            pool = _pool(self.num_pages)
+            pool = self.pool = _pool(self.num_pages)
             a = pool.allocator
             prefix = PrefixCache(pool) if caching else None
 
@@ -318,20 +308,54 @@ class DecodeChurn(Side):
                 keys = None
                 if caching:
                     keys = prefix.keys()
-                    keys.pages, keys.num_tokens = self.all_keys[id(t)].pages, plen  # cut before the clock
+                    keys.pages, keys.num_tokens = self.cut[id(t)], plen  # cut as tokens arrived
                     prefix.register_pages(pages[: plen // ps], keys)
                 return pages, keys
 
-            get_one = a.allocate_page
-            self._replay(admit, lambda pages, keys, first, full: prefix.register_pages(pages[first:full], keys, first),
-                         lambda pages: pages.append(get_one()), lambda pages: a.decref(pages[::-1]))
-        self.result = pool
+            self.prefix = prefix
+        self.admit = admit
+        self.tables, self.seqs = map(list, zip(*(admit(t, plen) for t, plen in self.initial)))
+
+    def run(self) -> None:
+        tables, seqs, admit, caching = self.tables, self.seqs, self.admit, self.caching
+        if self.kind == "vllm":
+            pool = self.pool
+            get, cache, free = pool.get_new_blocks, pool.cache_full_blocks, pool.free_blocks
+            for fill, grow, new in self.events:
+                if caching:
+                    for i, first in fill:
+                        cache(seqs[i], tables[i], first, first + 1, PAGE, 0)
+                for i in grow:
+                    tables[i].extend(get(1))
+                for i, t, plen, _ in new:
+                    free(reversed(tables[i]))
+                    tables[i], seqs[i] = admit(t, plen)
+        else:
+            a = self.pool.allocator
+            get_one, free = a.allocate_page, a.decref
+            per_step = caching and not self.at_release
+            register_next = self.prefix.register_next if caching else None
+            register = self.prefix.register_pages if caching else None
+            for fill, grow, new in self.events:
+                if fill and per_step:
+                    register_next([tables[i][first] for i, first in fill], [seqs[i] for i, _ in fill])
+                for i in grow:
+                    tables[i].append(get_one())
+                for i, t, plen, done in new:
+                    if self.at_release:
+                        first = len(seqs[i].nodes)
+                        register(tables[i][first:done], seqs[i], first)
+                    free(tables[i][::-1])
+                    tables[i], seqs[i] = admit(t, plen)
 
     def audit(self) -> str:
         if self.kind == "vllm":
-            return f"in use {self.num_pages - self.result.get_num_free_blocks()}, evicted {self.result.evictions}"
-        st = self.result.allocator.stats()
-        return f"in use {st.in_use}, evicted {st.pages_evicted}"
+            pool = self.pool
+            return (f"in use {self.num_pages - pool.get_num_free_blocks()}, evicted {pool.evictions}, "
+                    f"cached {len(pool.cached_block_hash_to_block)}")
+        st = self.pool.allocator.stats()
+        cached = self.prefix.stats().registered_pages if self.caching else 0
+        return f"in use {st.in_use}, evicted {st.pages_evicted}, cached {cached}"
 
 
 class PrefixHits(Side):
@@ -393,6 +417,7 @@ def measure(sides: dict[str, Side], rounds: int, per_round: int) -> dict[str, fl
     times: dict[str, list[float]] = {k: [] for k in sides}
     for _ in range(rounds):
         for name, side in sides.items():
+            side.setup()
             t = time.perf_counter()
             side.run()
             times[name].append((time.perf_counter() - t) / per_round)
@@ -416,7 +441,7 @@ def main() -> None:
         med = measure(sides, rounds, per_round)
         ratio = med["vLLM model"] / med["pagedkv"]
         rows.append((name, med, ratio, unit, {k: s.audit() for k, s in sides.items()}))
-        print(f"{name:<26}" + "".join(f"{k} {v * 1e6:9.2f} us  " for k, v in med.items())
+        print(f"{name:<34}" + "".join(f"{k} {v * 1e6:9.2f} us  " for k, v in med.items())
               + f"vLLM/pagedkv {ratio:5.2f}x", flush=True)
 
     for n, iters in ((1, 5000 * scale), (256, 40 * scale)):
@@ -431,17 +456,17 @@ def main() -> None:
         scenario(f"cache churn n={n}", {"pagedkv": CacheChurn("pagedkv", n, iters, rounds),
                                        "vLLM model": CacheChurn("vllm", n, iters, rounds)}, iters, "op")
     steps = 100 * scale
-    for caching in (False, True):
-        scenario(f"decode churn caching {'on' if caching else 'off'}",
+    for caching in (False, True, "at release"):
+        scenario(f"decode churn caching {({False: 'off', True: 'on'}).get(caching, caching)}",
                  {"pagedkv": DecodeChurn("pagedkv", caching, steps), "vLLM model": DecodeChurn("vllm", caching, steps)},
                  steps, "step")
     requests = 50 * scale
     scenario("prefix hits + hashing", {"pagedkv": PrefixHits("pagedkv", requests, rounds),
                                        "vLLM model": PrefixHits("vllm", requests, rounds)}, requests, "request")
     print()
-    print(f"{'scenario':<28}{'pagedkv':>12}{'vLLM model':>12}{'vLLM/pagedkv':>14}   audit (pagedkv | vLLM model)")
+    print(f"{'scenario':<36}{'pagedkv':>12}{'vLLM model':>12}{'vLLM/pagedkv':>14}   audit (pagedkv | vLLM model)")
     for name, med, ratio, unit, audit in rows:
-        print(f"{name:<28}{med['pagedkv'] * 1e6:>9.2f} us{med['vLLM model'] * 1e6:>9.2f} us{ratio:>13.2f}x"
+        print(f"{name:<36}{med['pagedkv'] * 1e6:>9.2f} us{med['vLLM model'] * 1e6:>9.2f} us{ratio:>13.2f}x"
               f"   {audit['pagedkv']} | {audit['vLLM model']}  (per {unit})")
     worst = min((r[2] for r in rows), default=float("nan"))
     print(f"\nslowest scenario: pagedkv {worst:.2f}x the vLLM model's speed (goal: >= 2x everywhere)")

@@ -36,6 +36,7 @@ works too; its keys are cut again on each call).
 
 from __future__ import annotations
 
+from array import array
 from itertools import islice
 from typing import Sequence, Union
 
@@ -104,10 +105,14 @@ class PrefixCache:
         self.extra = _extra(extra_keys)
         self._by_key: dict[tuple[int, bytes], int] = {}
         self._key_of_page: dict[int, tuple[int, bytes]] = {}  # registered page -> its key
-        self._node_of_page: list[int] = [0] * pool.num_pages  # read only for registered pages
+        # registered page -> its node (read only for registered pages); a numpy view to
+        # file a run of new pages at once
+        self._node_of_page = array("q", bytes(8 * pool.num_pages))
+        self._node_np = np.frombuffer(self._node_of_page, dtype=np.int64)
         self._roots: dict[bytes, int] = {}
         self._next_node = 1
         pool.allocator.evict_listeners.append(self._forget)
+        self._set_cacheable = pool.allocator.set_cacheable
         self._queries = self._query_tokens = self._hit_tokens = self._hit_pages = self._evictions = 0
         self._disk_hit_pages = 0
 
@@ -137,10 +142,15 @@ class PrefixCache:
 
     def _forget(self, ids: list[int]) -> None:
         """Evict listener: drop the keys of evicted pages (after queuing them for the
-        disk tier, if any). O(len(ids))."""
+        disk tier, if any). O(len(ids)), the lookups in C when every page is ours."""
         key_of, by_key = self._key_of_page, self._by_key
         if self.disk is not None:
             self._spill([p for p in ids if p in key_of], forget=True)
+        if len(ids) > 1 and all(map(key_of.__contains__, ids)):
+            for key in map(key_of.pop, ids):
+                del by_key[key]
+            self._evictions += len(ids)
+            return
         for page in ids:
             key = key_of.pop(page, None)
             if key is not None:  # (pages another prefix cache registered have none here)
@@ -251,20 +261,23 @@ class PrefixCache:
         ``PrefixKeys``, records the matched pages' nodes in it for ``register``.
         """
         keys = self._keys_of(tokens)
-        by_key, node_of = self._by_key, self._node_of_page
+        get, node_of = self._by_key.get, self._node_of_page
         parent = keys.root
         pages: list[int] = []
+        nodes: list[int] = []
         for chunk in islice(keys.pages, max(0, (keys.num_tokens - 1) // keys.page_size)):
-            page = by_key.get((parent, chunk))
+            page = get((parent, chunk))
             if page is None:
                 break
             parent = node_of[page]
             pages.append(page)
+            nodes.append(parent)
         if self.state_pool is not None:  # a hybrid hit ends where a state was kept
             checkpoint = self._checkpoint
-            while pages and node_of[pages[-1]] not in checkpoint:
-                pages.pop()
-        keys.nodes = [node_of[page] for page in pages]
+            while nodes and nodes[-1] not in checkpoint:
+                nodes.pop()
+            del pages[len(nodes) :]
+        keys.nodes = nodes
         return pages
 
     def new_cache(self, model, tokens: TokensOrKeys) -> tuple[PagedPromptCache, list[int]]:
@@ -360,7 +373,8 @@ class PrefixCache:
         full = table.num_tokens // self.pool.page_size
         self._require_tokens(keys, full)
         start = min(len(keys.nodes), full)
-        return self._register(table.page_ids(start, full).tolist(), start, keys)
+        ids = table.page_ids(start, full)
+        return self._register(ids.tolist(), start, keys, ids)
 
     def register_pages(self, pages: Sequence[int], keys: PrefixKeys, first: int = 0) -> int:
         """Register ``pages`` as pages ``first, first + 1, ...`` of the sequence ``keys``
@@ -368,38 +382,149 @@ class PrefixCache:
         their own page lists. ``first`` may not pass the pages whose nodes ``keys``
         knows (from ``match`` or earlier registrations). O(len(pages)); bad input raises
         a typed error and registers nothing."""
-        keys = self._keys_of(keys)
+        if keys.__class__ is not PrefixKeys or keys.owner is not self:
+            keys = self._keys_of(keys)
         if first.__class__ is not int or not 0 <= first <= len(keys.nodes):
             check_int("first", first, minimum=0, maximum=len(keys.nodes))
-        ids = pages
+        ids, arr = self._page_list(pages)
+        if len(keys.pages) < first + len(ids):
+            self._require_tokens(keys, first + len(ids))
+        if len(ids) == 1 and self.disk is None:  # one page that just filled: a decode step
+            page, nodes = ids[0], keys.nodes
+            key = (nodes[first - 1] if first else keys.root, keys.pages[first])
+            if key not in self._by_key and page not in self._key_of_page:  # new content
+                self._set_cacheable(ids)  # may refuse: nothing has changed yet
+                node = self._next_node
+                self._next_node = node + 1
+                self._by_key[key] = page
+                self._key_of_page[page] = key
+                self._node_of_page[page] = node
+                del nodes[first:]
+                nodes.append(node)
+                return 1
+        elif len(ids) > 1 and len(set(ids)) != len(ids):
+            raise InvalidValueError("a page is listed twice")
+        return self._register(ids, first, keys, arr)
+
+    def register_next(self, pages: Sequence[int], keys: Sequence[PrefixKeys]) -> int:
+        """For each ``j``, register ``pages[j]`` (full and held) as the next page of the
+        sequence ``keys[j]``: the page after those whose nodes it knows. This is what a
+        decode step does for the rows whose last page just filled, in one call: the
+        allocator marks the new pages cacheable once and the keys go in together, so a
+        batch costs one call, not one per row. Each sequence at most once per call.
+
+        A page whose content is cached already (another page with the same key) is not
+        registered; its sequence continues from the cached page's node, as in
+        ``register``. O(len(pages)); bad input raises a typed error and registers
+        nothing. Returns the number of pages newly registered."""
+        if len(pages) != len(keys):
+            raise InvalidValueError(f"{len(pages)} pages for {len(keys)} sequences")
+        if not pages:
+            return 0
+        ids, _ = self._page_list(pages)
+        next_keys = []
+        try:
+            for k in keys:
+                if k.__class__ is not PrefixKeys or k.owner is not self:
+                    if not isinstance(k, PrefixKeys):
+                        raise InvalidTypeError(f"register_next takes PrefixKeys, got {type(k).__name__}")
+                    raise InvalidValueError("these PrefixKeys were made by another PrefixCache")
+                nodes = k.nodes
+                next_keys.append((nodes[-1] if nodes else k.root, k.pages[len(nodes)]))
+        except IndexError:
+            self._require_tokens(k, len(k.nodes) + 1)
+        n = len(ids)
+        if len(set(ids)) != n:
+            raise InvalidValueError("a page is listed twice")
+        fresh = dict(zip(next_keys, ids))  # (update reuses the hashes made here)
+        by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
+        if len(fresh) != n or not key_of.keys().isdisjoint(ids) or not by_key.keys().isdisjoint(fresh):
+            return self._register_next_known(ids, keys, next_keys)
+        self._set_cacheable(ids)  # may refuse: nothing has changed yet
+        node = self._next_node
+        self._next_node = node + n
+        if self.disk is not None:
+            for key, made_node in zip(next_keys, range(node, node + n)):
+                self._file_digests(key[0], [key[1]], made_node)
+        by_key.update(fresh)
+        key_of.update(zip(ids, next_keys))
+        for page, k in zip(ids, keys):
+            node_of[page] = node
+            k.nodes.append(node)
+            node += 1
+        return n
+
+    def _register_next_known(self, ids: list[int], keys: Sequence[PrefixKeys],
+                             next_keys: list[tuple[int, bytes]]) -> int:
+        """``register_next`` when some content is cached already, or repeats in the call:
+        a plan per item first (nothing changes until the allocator accepts the new pages)."""
+        if len(set(map(id, keys))) != len(keys):
+            raise InvalidValueError("a sequence is listed twice: register its pages with register_pages")
+        by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
+        plan = []  # per item: -1 - node to continue from, or the item that brings the content
+        fresh: dict[tuple[int, bytes], int] = {}
+        new_pages = []
+        for j, (page, key) in enumerate(zip(ids, next_keys)):
+            known = by_key.get(key)
+            if known is not None:
+                plan.append(-1 - node_of[known])  # continue from the cached page
+            elif key in fresh:
+                plan.append(fresh[key])  # the same content as an earlier item
+            elif page in key_of:
+                plan.append(-1 - node_of[page])  # this page, under an older chain
+            else:
+                fresh[key] = j
+                plan.append(j)
+                new_pages.append(page)
+        if new_pages:
+            self._set_cacheable(new_pages)  # may refuse: nothing has changed yet
+        node = self._next_node
+        made = [0] * len(plan)
+        for j, (k, key, source) in enumerate(zip(keys, next_keys, plan)):
+            if source < 0:
+                k.nodes.append(-1 - source)
+            elif source == j:
+                page = ids[j]
+                if self.disk is not None:
+                    self._file_digests(key[0], [key[1]], node)
+                by_key[key] = page
+                key_of[page] = key
+                node_of[page] = made[j] = node
+                k.nodes.append(node)
+                node += 1
+            else:
+                k.nodes.append(made[source])
+        self._next_node = node
+        return len(new_pages)
+
+    def _page_list(self, pages: Sequence[int]) -> tuple[list[int], np.ndarray | None]:
+        """Page ids checked (ints in the pool's range) as a list, and as an int64 array
+        when they came as one (else None). Raises ``InvalidTypeError``/``InvalidPage``."""
         if pages.__class__ is list:
             n = self.pool.num_pages
             for p in pages:
                 if p.__class__ is not int or not 0 <= p < n:
-                    ids = None
                     break
-        else:
-            ids = None
-        if ids is None:
-            ids = self.pool.allocator.checked_ids(pages).tolist()
-        self._require_tokens(keys, first + len(ids))
-        if len(ids) > 1 and len(set(ids)) != len(ids):
-            raise InvalidValueError("a page is listed twice")
-        return self._register(ids, first, keys)
+            else:
+                return pages, None
+        arr = self.pool.allocator.checked_ids(pages)
+        return arr.tolist(), arr
 
     def _require_tokens(self, keys: PrefixKeys, full: int) -> None:
         if keys.num_full_pages < full:
             ps = self.pool.page_size
             raise InvalidValueError(f"need the ids of the {full * ps} tokens in full pages, got {keys.num_tokens}")
 
-    def _register(self, pages: list[int], start: int, keys: PrefixKeys) -> int:
-        """Register ``pages`` (page indices ``start`` on of ``keys``' sequence).
+    def _register(self, pages: list[int], start: int, keys: PrefixKeys, as_array: np.ndarray | None = None) -> int:
+        """Register ``pages`` (page indices ``start`` on of ``keys``' sequence; ``as_array``:
+        the same ids as an int64 array, when the caller has one).
 
         Walks the keys while they are known (another page with the same content is
         reused as the parent); from the first unknown key on, every key hangs below a
-        node made in this call, so the rest are new and get consecutive nodes in one
-        bulk insert. The new pages are marked cacheable (which checks that they are
-        held) before anything is inserted, so a refusal changes nothing."""
+        node made in this call, so the rest are new: they get consecutive nodes and go
+        into the maps in one bulk update each. The new pages are marked cacheable (which
+        checks that they are held) before anything is inserted, so a refusal changes
+        nothing."""
         if not pages:
             return 0
         by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
@@ -411,34 +536,58 @@ class PrefixCache:
         while i < end:  # the known part: pages whose content is cached already
             known = by_key.get((parent, chunks[i]))
             if known is None:
-                page = pages[i - start]
-                if page not in key_of:
+                known = pages[i - start]
+                if known not in key_of:
                     break
-                known = page  # this very page, registered under an older chain
+                # else: this very page, registered under an older chain
             parent = node_of[known]
             walked.append(parent)
             i += 1
-        new = pages[i - start :]
-        if not key_of.keys().isdisjoint(new):
-            raise InvalidValueError("a page to register is already registered under another prefix")
-        if new:
-            self.pool.allocator.set_cacheable(new)  # may refuse: nothing has changed yet
+        new = pages[i - start :] if i > start else pages
+        m = len(new)
+        if m:
+            if m > 1 and not key_of.keys().isdisjoint(new):  # (the walk checked new[0])
+                raise InvalidValueError("a page to register is already registered under another prefix")
+            if as_array is not None:
+                as_array = as_array[i - start :]
+            self._set_cacheable(new if as_array is None else as_array)  # may refuse: nothing has changed yet
             node = self._next_node
-            digests = self._digests if self.disk is not None else None
-            for page, chunk in zip(new, chunks[i:end]):
-                key = (parent, chunk)
+            self._next_node = node + m
+            if self.disk is not None:
+                self._file_digests(parent, chunks[i:end], node)
+            if m == 1:
+                page, key = new[0], (parent, chunks[i])
                 by_key[key] = page
                 key_of[page] = key
-                if digests is not None:
-                    above = digests[parent][0]
-                    digests[node] = (chain_digest(above, chunk), above)
-                node_of[page] = parent = node
+                node_of[page] = node
                 walked.append(node)
-                node += 1
-            self._next_node = node
+            else:
+                made = range(node, node + m)
+                parents = [parent]
+                parents += made[:-1]
+                new_keys = list(zip(parents, chunks[i:end]))
+                by_key.update(zip(new_keys, new))
+                key_of.update(zip(new, new_keys))
+                if as_array is None:
+                    for page, made_node in zip(new, made):
+                        node_of[page] = made_node
+                else:
+                    self._node_np[as_array] = np.arange(node, node + m)
+                walked += made
         del nodes[start:]
         nodes.extend(walked)
-        return len(new)
+        return m
+
+    def _file_digests(self, parent: int, chunks: list[bytes], node: int) -> None:
+        """The disk tier's chain digests of new nodes ``node, node + 1, ...`` whose pages
+        hold ``chunks``, below ``parent``."""
+        digests = self._digests
+        above = digests[parent][0]
+        for chunk in chunks:
+            digest = chain_digest(above, chunk)
+            digests[node] = (digest, above)
+            above = digest
+            node += 1
 
     def stats(self) -> PrefixStats:
         return PrefixStats(

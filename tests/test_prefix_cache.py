@@ -229,3 +229,70 @@ def test_the_cached_pages_left_of_a_released_sequence_still_match_a_prefix(model
     taken = pool.allocator.allocate(1 + evicted)  # the free page, then the LRU cached pages
     assert len(prefix.match(tokens)) == 6 - evicted  # the chain lost its tail, not its head
     pool.allocator.decref(taken)
+
+
+def _decoded(prefix, pool, seqs):
+    """Each sequence's prompt pages registered; returns (keys, pages) per sequence."""
+    out = []
+    for tokens in seqs:
+        keys = prefix.keys(tokens)
+        pages = pool.allocator.allocate(keys.num_full_pages).tolist()
+        prefix.register_pages(pages[:1], keys)  # the prompt: one page; the rest fill later
+        out.append((keys, pages))
+    return out
+
+
+def test_register_next_files_a_steps_pages_as_one_page_at_a_time_would():
+    """A decode step's filled pages, one per sequence, in one call: the same nodes,
+    matches and stats as register_pages page by page, including content that is cached
+    already and content repeated inside the call."""
+    shared = prompt_of(4 * PS, seed=1)
+    seqs = [prompt_of(4 * PS, seed=s) for s in (2, 3)] + [shared, list(shared)]  # the last two: equal
+    results = []
+    for batched in (False, True):
+        pool = make_pool("llama", page_size=PS, num_pages=64)
+        prefix = PrefixCache(pool)
+        rows = _decoded(prefix, pool, seqs)
+        for page in range(1, 4):
+            if batched:
+                added = prefix.register_next([p[page] for _, p in rows], [k for k, _ in rows])
+            else:
+                added = sum(prefix.register_pages([p[page]], k, page) for k, p in rows)
+            assert added == 3  # the repeated sequence's page is not filed twice
+        results.append(([k.nodes for k, _ in rows], [prefix.match(k.token_ids() + [0]) for k, _ in rows],
+                        prefix.stats(), sorted(pool.allocator.cached_pages())))
+        for _, pages in rows:
+            pool.allocator.decref(pages[::-1])
+        pool.allocator.check()
+    assert results[0] == results[1]
+    nodes, matches = results[1][0], results[1][1]
+    assert nodes[2] == nodes[3] and matches[2] == matches[3] and len(matches[0]) == 4
+
+
+def test_a_refused_register_next_files_nothing():
+    pool = make_pool("llama", page_size=PS, num_pages=32)
+    prefix = PrefixCache(pool)
+    rows = _decoded(prefix, pool, [prompt_of(2 * PS + 1, seed=s) for s in (1, 2)])
+    (k1, p1), (k2, p2) = rows
+    other = PrefixCache(make_pool("llama", page_size=PS, num_pages=8)).keys(prompt_of(2 * PS, seed=3))
+    short = prefix.keys(prompt_of(PS + 2, seed=4))
+    prefix.register_pages(pool.allocator.allocate(1).tolist(), short)
+    freed = pool.allocator.allocate(1).tolist()
+    pool.allocator.decref(freed)
+    before = (dict(prefix._by_key), [list(k1.nodes), list(k2.nodes)], prefix.stats(), pool.allocator.stats())
+    for pages, keys, error in (
+        ([p1[1]], [k1, k2], ValueError),  # one page for two sequences
+        ([p1[1], p1[1]], [k1, k2], ValueError),  # a page twice
+        ([p1[1], p2[1]], [k1, k1], ValueError),  # a sequence twice
+        ([p1[1], p2[1]], [k1, other], ValueError),  # another cache's keys
+        ([p1[1], p2[1]], [k1, k1.token_ids()], TypeError),  # not PrefixKeys
+        ([p1[1], 10**6], [k1, k2], ValueError),  # a page out of the pool
+        ([p1[1], 1.0], [k1, k2], TypeError),
+        ([p1[1], freed[0]], [k1, k2], ValueError),  # a page nobody holds (RefCountError)
+    ):
+        with pytest.raises(error):
+            prefix.register_next(pages, keys)
+    with pytest.raises(ValueError):
+        prefix.register_next([p1[1], p2[1]], [k1, short])  # short has no full page after its first
+    assert (dict(prefix._by_key), [k1.nodes, k2.nodes], prefix.stats(), pool.allocator.stats()) == before
+    assert prefix.register_next([p1[1], p2[1]], [k1, k2]) == 2
