@@ -2,6 +2,7 @@
 
     python3 bench/gpu_generate.py [--model 1b|8b] [--dtype float16|bfloat16]
                                   [--batches 1,8,32,64] [--contexts 1024,4096] [--steps 32]
+                                  [--pipelined] [--sync] [--pool-scale 1]
 
 Model: random weights in mlx-lm's llama class, Llama-3.2-1B-shaped (16 layers, 32 query /
 8 KV heads, head_dim 64) or Llama-3-8B-shaped (32 layers, 32 / 8 heads, head_dim 128).
@@ -66,7 +67,8 @@ def filled(model, lengths: list[int], steps: int, dtype):
     longest = max(lengths)
     ref = [BatchKVCache([longest - n for n in lengths]) for _ in range(layers)]
     pool = PagePool(num_layers=layers, num_kv_heads=hkv, head_dim=d, page_size=PS, dtype=dtype,
-                    num_pages=sum(-(-(n + steps + 1) // PS) for n in lengths) + 1)
+                    num_pages=POOL_SCALE * sum(-(-(n + steps + 1) // PS) for n in lengths) + 1,
+                    sync_before_rewrite=SYNC)
     batch = PagedBatch.for_model(model, pool)
     rows = [make_paged_cache(model, pool) for _ in lengths]
     for layer in range(layers):
@@ -80,17 +82,38 @@ def filled(model, lengths: list[int], steps: int, dtype):
     return ref, batch
 
 
+PIPELINED = False  # --pipelined
+SYNC = False  # --sync
+POOL_SCALE = 1  # --pool-scale: a pool this many times what the rows need (a copied layer shows in the peak)
+
+
 def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, list[int]]:
-    """(seconds for ``steps`` greedy steps, median host seconds per step, last tokens)."""
+    """(seconds for ``steps`` greedy steps, median host seconds per step, last tokens).
+
+    Default: each step's graph is built, then evaluated. ``PIPELINED``: as mlx-lm's
+    ``generate_step``, step n+1's graph is built (and queued with ``mx.async_eval``)
+    while step n runs on the GPU, and the host then reads step n's tokens."""
     tok = first
     host = []
     mx.synchronize()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        t = time.perf_counter()
+    if PIPELINED:
         tok = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
-        host.append(time.perf_counter() - t)
+        mx.async_eval(tok)
+        for _ in range(steps - 1):
+            t = time.perf_counter()
+            nxt = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
+            mx.async_eval(nxt)
+            host.append(time.perf_counter() - t)
+            tok.tolist()  # the server reads step n's tokens while step n + 1 runs
+            tok = nxt
         mx.eval(tok)
+    else:
+        for _ in range(steps):
+            t = time.perf_counter()
+            tok = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
+            host.append(time.perf_counter() - t)
+            mx.eval(tok)
     mx.synchronize()
     return time.perf_counter() - t0, statistics.median(host), tok[:, 0].tolist()
 
@@ -153,11 +176,21 @@ def main() -> None:
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--prefill", default="1024,4096,16384", help="B=1 prefill lengths ('' for none)")
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--pipelined", action="store_true",
+                    help="build step n+1 while step n runs (mx.async_eval, as mlx-lm's generate_step)")
+    ap.add_argument("--sync", action="store_true",
+                    help="pools synchronise once per step before in-place writes (the former default)")
+    ap.add_argument("--pool-scale", type=int, default=1,
+                    help="size the pool this many times what the rows need (a copy of a layer array then "
+                         "shows plainly in the peak column)")
     args = ap.parse_args()
+    global PIPELINED, SYNC, POOL_SCALE
+    PIPELINED, SYNC, POOL_SCALE = args.pipelined, args.sync, args.pool_scale
     dtype = getattr(mx, args.dtype)
     model = model_of(args.model, dtype)
     print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, {args.dtype}, "
-          f"{args.steps} greedy decode steps per case", flush=True)
+          f"{args.steps} greedy decode steps per case{', pipelined' if PIPELINED else ''}"
+          f"{', pools synchronising once per step' if SYNC else ''}", flush=True)
     print(f"{'B':>3} {'context':>7} {'lengths':>7} {'mlx-lm tok/s':>13} {'paged tok/s':>12} {'paged/mlx-lm':>13} "
           f"{'host share':>11} {'paged peak +MiB':>16}", flush=True)
     rng = np.random.default_rng(0)

@@ -29,7 +29,6 @@ leaves every row as it was; a layer with bad input rolls the step back.
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
 from pagedkv.cache import LayerFace, PagedPromptCache, layer_faces, layout_for
 from pagedkv.errors import (
@@ -136,7 +135,7 @@ class PagedBatchKVCache(LayerFace):
     @property
     def offset(self) -> mx.array:
         """int32 [B]: each row's position before this layer's next write (RoPE start)."""
-        return mx.array(self.rows.offsets[self.layer].astype(np.int32))
+        return self.rows.position_array(self.rows.offsets[self.layer])
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
         """Bool [B, 1, N, W]: row b's query i (at position len_b + i) sees keys

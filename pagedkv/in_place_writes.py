@@ -7,9 +7,15 @@ references the old array when the scatter runs. Two things do, in practice:
 - a read of the array that is still lazy (a gather the caller has not evaluated): the
   pool records every read it hands out by weak reference, and evaluates the live ones
   before the next write of that array group (``settle``);
-- on a GPU, kernels still in flight (MLX's command encoder keeps their buffers alive):
-  the pool synchronises once per step, before the first group it writes a second time
-  (measured on an H200 in bench/RESULTS.md: without it every write copied the layer).
+- on a GPU, kernels still in flight (MLX's command encoder keeps their buffers alive).
+  With ``sync_before_rewrite`` the pool synchronises once per step, before the first
+  group it writes a second time. It is off by default: on MLX 0.32.4 on an H200, whole
+  models (1B, 16 layers; serial and pipelined with ``mx.async_eval``, pools 16x the rows'
+  need) and 1-16 layer write loops wrote in place without it (no peak growth), and the
+  synchronise stalled the host while the previous step ran, so a pipelined generation
+  loop lost its overlap (bench/RESULTS.md, issue 15). Back-to-back scatters into one
+  array with nothing in between did copy in an earlier micro-benchmark; turn it on if a
+  profile shows a layer-sized jump in peak memory per write.
 
 One instance per pool; a *group* is whatever the pool writes together (a layer's K/V
 arrays, a recurrent layer's state arrays). O(live reads) per write.
@@ -24,11 +30,9 @@ import mlx.core as mx
 
 class InPlaceWrites:
     def __init__(self, num_groups: int, sync_before_rewrite: bool | None = None) -> None:
-        """``sync_before_rewrite`` defaults to True on a GPU."""
+        """``sync_before_rewrite`` (None: off; see the module doc)."""
         self._reads: list[list[weakref.ref]] = [[] for _ in range(num_groups)]
-        if sync_before_rewrite is None:
-            sync_before_rewrite = mx.default_device() == mx.gpu
-        self._sync = sync_before_rewrite
+        self._sync = bool(sync_before_rewrite)
         self._written: set[int] = set()  # groups written since the last synchronize
 
     def track(self, group: int, read: mx.array) -> mx.array:

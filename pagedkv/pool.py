@@ -21,12 +21,11 @@ whole layer. Therefore (1) the arrays are private; (2) views hold the *pool*, ne
 array, and read the current array when they attend; (3) before writing a layer, the pool
 evaluates reads of that layer that are still alive (tracked by weak reference), so a
 caller holding an unevaluated read cannot silently make the write O(pool); (4) on a GPU,
-MLX's command encoder keeps the buffers of in-flight kernels alive, which also blocks
-donation (measured on an H200: every write copied the layer, 0.5-1 ms and +1x the pool in
-peak memory, until ``mx.synchronize()``); the pool synchronises once per step, before the
-first layer it writes a second time, after which writes are flat (~90 us, no growth).
-(3) and (4) are :class:`~pagedkv.in_place_writes.InPlaceWrites`, shared with the
-recurrent-state pool.
+MLX's command encoder keeps the buffers of in-flight kernels alive, which can also block
+donation; ``sync_before_rewrite=True`` synchronises once per step against that. It is off
+by default: model steps on an H200 wrote in place without it, and it costs a pipelined
+loop its overlap (see :mod:`pagedkv.in_place_writes`). (3) and (4) are
+:class:`~pagedkv.in_place_writes.InPlaceWrites`, shared with the recurrent-state pool.
 
 Costs: ``write`` is O(tokens written) (one scatter per layer per K and V); ``gather`` is
 O(pages read); ``copy_pages`` is O(pages * layers).

@@ -535,10 +535,23 @@ class RowSet:
             pool = self.layout.specs[spec].pool
             ps = pool.page_size
             pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
-            pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(self._tables[spec], pos)])
+            tables = self._tables[spec]
+            if count == 1:  # a decode step: one page per row, looked up without arrays
+                pages = np.fromiter(map(PageTable.page_at, tables, (start // ps).tolist()), np.int64, len(tables))
+            else:
+                pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(tables, pos)])
             hit = (mx.array(pool.array_rows(pages).astype(np.int32)),
                    mx.array((pos.reshape(-1) % ps).astype(np.int32)))
             self._memo[key] = hit
+        return hit
+
+    def position_array(self, positions: np.ndarray) -> mx.array:
+        """``positions`` (int [B]) as an int32 MLX array, memoised by value until the rows
+        change: the layers of a step (and RoPE's two reads per layer) share one."""
+        key = ("p", positions.tobytes())
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = mx.array(positions.astype(np.int32))
         return hit
 
     def read_plan(self, layer: int, lo: np.ndarray, hi: np.ndarray) -> PageRead:

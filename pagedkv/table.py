@@ -296,6 +296,12 @@ class PageTable:
         """Listed page ids [first, stop) (a view; stop is clipped to the listed pages)."""
         return self._pages[first : min(stop, self._n)]
 
+    def page_at(self, index: int) -> int:
+        """The page id at page index ``index`` (which must be listed); O(1)."""
+        if not self._dropped <= index < self._n:
+            raise InvalidValueError(f"page {index} is not held by this table")
+        return int(self._pages[index])
+
     def page_ids_at(self, index: np.ndarray) -> np.ndarray:
         """The page ids at page indices ``index`` (which must be listed)."""
         if index.size and (index.min() < self._dropped or index.max() >= self._n):

@@ -46,9 +46,13 @@ def key_mask(query_start: np.ndarray, n_queries: int, key_base: np.ndarray, widt
     """Bool [B, 1, n_queries, width]: query i of row b (at ``query_start[b] + i``) sees
     gathered column c (key ``key_base[b] + c``) iff the key is in [lo[b], hi[b]) and,
     when ``causal``, not after the query and, with a ``window``, within it."""
-    keys = mx.array((key_base[:, None] + np.arange(width)[None, :]).astype(np.int32))[:, None, None, :]
-    queries = mx.array((query_start[:, None] + np.arange(n_queries)[None, :]).astype(np.int32))[:, None, :, None]
-    rng = mx.array(np.stack([lo, hi], axis=1).astype(np.int32))[:, :, None, None, None]
+    # Built as MLX graph from O(rows) host data: the [B, width] positions are never made
+    # on the host, and a reader that does not use the mask (the GPU decode kernel) leaves
+    # it unevaluated.
+    rows = mx.array(np.stack([key_base, query_start, lo, hi], axis=1).astype(np.int32))
+    keys = (rows[:, 0:1] + mx.arange(width, dtype=mx.int32))[:, None, None, :]
+    queries = (rows[:, 1:2] + mx.arange(n_queries, dtype=mx.int32))[:, None, :, None]
+    rng = rows[:, 2:4, None, None, None]
     mask = (keys >= rng[:, 0]) & (keys < rng[:, 1])
     if causal:
         mask = mask & (keys <= queries)

@@ -188,6 +188,23 @@ def test_sliding_table_drops_pages_behind_the_window_and_refuses_deep_trim(pages
     assert pool.allocator.num_in_use() == 0
 
 
+def test_page_lookups_name_only_pages_the_table_still_holds():
+    pool = pool_of(page_size=4, num_pages=32)
+    t = PageTable(pool, window=6)
+    for _ in range(14):  # pages 0-3 listed; the window dropped the first ones
+        t.prepare_write(t.num_tokens, 1)
+    listed = len(t.pages)
+    held = range(t.first_visible() // 4, listed)
+    assert len(held) == 2
+    assert [t.page_at(i) for i in held] == t.page_ids_at(np.array(list(held))).tolist() == t.pages[held[0]:].tolist()
+    for index in (-1, 0, listed):
+        with pytest.raises(ValueError):
+            t.page_at(index)
+        with pytest.raises(ValueError):
+            t.page_ids_at(np.array([index]))
+    t.release()
+
+
 def test_state_round_trips_and_from_state_builds_a_private_pool():
     pool = pool_of()
     cache = PagedKVCache(PageTable(pool), 0)
