@@ -25,8 +25,12 @@ which keeps it O(num_pages) and the compaction O(1) per append, amortised.
 The one-page calls (``allocate_page``, ``decref_page``: what a decode step does when a
 sequence crosses a page boundary) touch a handful of Python objects and build no numpy
 array; the batched calls (a prompt's pages, a view's pages, a released sequence) are a
-few vectorised numpy operations, O(n) in C. ``IN_USE`` lives in the count alone, so
-handing out a free page writes one count and freeing it writes one count back.
+few vectorised numpy operations, O(n) in C, with as few reductions as possible (each numpy
+call costs about a microsecond whatever its size). A list of up to ``_FEW`` ids given to
+``decref``, ``touch`` or ``set_cacheable`` takes a plain Python loop instead, cheaper at
+that size; a list the loop does not handle (a repeated id for ``decref``/``touch``, an id
+that is bad or not held, un-marking) goes to the array path, which checks and reports. ``IN_USE`` lives in the count alone, so handing out a
+free page writes one count and freeing it writes one count back.
 
 Counters: only the transitions that cannot be derived are counted (pages whose count
 reached 0, pages cached, evicted, revived, un-cached); ``in_use`` is
