@@ -75,7 +75,7 @@ NULL_PAGE = 0
 
 DEBUG_ENV = "PAGEDKV_CHECK_INVARIANTS"
 
-_FEW = 96
+_FEW = 32
 """Lists up to this long take a plain Python loop where one exists: below it, a loop
 costs less than the ~1 us that each numpy call costs whatever its size."""
 
