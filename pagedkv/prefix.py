@@ -580,9 +580,14 @@ class PrefixCache:
 
     def _file_digests(self, parent: int, chunks: list[bytes], node: int) -> None:
         """The disk tier's chain digests of new nodes ``node, node + 1, ...`` whose pages
-        hold ``chunks``, below ``parent``."""
+        hold ``chunks``, below ``parent``. None when ``parent``'s page was evicted (its
+        digest went with it): pages below it can no longer be reached, in RAM or on disk,
+        so they are registered without one and never spilled."""
         digests = self._digests
-        above = digests[parent][0]
+        entry = digests.get(parent)
+        if entry is None:
+            return
+        above = entry[0]
         for chunk in chunks:
             digest = chain_digest(above, chunk)
             digests[node] = (digest, above)

@@ -171,3 +171,28 @@ def test_a_writer_killed_mid_write_leaves_only_whole_files_and_a_restart_hits(mo
     got, cached = run(model, PrefixCache(pool, disk=disk), tokens)
     assert cached > 0 and got == solo(model, tokens)
     disk.close()
+
+
+def test_a_page_registered_below_an_evicted_page_is_filed_without_a_digest(tmp_path):
+    """A sequence whose page content was already cached continues from the other page's
+    node; once that page is evicted (its digest goes with it), the sequence's next page
+    is still registered, changes nothing on disk, and raises nothing (it raised a bare
+    KeyError after marking the page cacheable)."""
+    pool = make_pool(num_pages=8)
+    disk = DiskTier(tmp_path, pool, max_bytes=1 << 24, model_id="tiny")
+    prefix = PrefixCache(pool, disk=disk)
+    alloc = pool.allocator
+    first, second = prefix.keys(PROMPT[:13]), prefix.keys(PROMPT[:13])
+    owned = alloc.allocate(2).tolist()
+    prefix.register_pages(owned, first)
+    duplicate = alloc.allocate(1).tolist()
+    assert prefix.register_pages(duplicate, second) == 0  # the content is owned's first page
+    alloc.decref(owned[::-1])
+    alloc.evict(2)  # owned's pages and digests go
+    page = alloc.allocate(1).tolist()
+    assert prefix.register_pages(page, second, 1) == 1
+    assert prefix.match(PROMPT[:13]) == []  # below an evicted page: unreachable, as without disk
+    assert prefix.persist() == 0
+    alloc.decref(page + duplicate)
+    alloc.check()
+    disk.close()
