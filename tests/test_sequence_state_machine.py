@@ -200,6 +200,27 @@ class Sequences(FilterBatchRule, RuleBasedStateMachine):
         except (TrimError, PoolExhausted):
             pass  # layers stay uneven; the rules that need them level skip this sequence
 
+    @precondition(lambda self: any(s[2] for s in self.seqs))
+    @rule()
+    def register_filled_pages(self):
+        """What a decode step that registers eagerly does: each full-only sequence's next
+        full page, in one ``register_next``; later hits read the ids back (``_expect``)."""
+        pages, keys = [], []
+        for cache, per_layer, full_only in self.seqs:
+            if not full_only or per_layer[0] != per_layer[1]:
+                continue
+            k = self.prefix.keys(per_layer[0])
+            self.prefix.match(k)  # the nodes of the pages cached so far
+            i = len(k.nodes)
+            if (i + 1) * PS > len(per_layer[0]):
+                continue
+            page = int(cache.tables[0].page_ids(i, i + 1)[0])
+            if page not in pages:  # (forks share pages)
+                pages.append(page)
+                keys.append(k)
+        if pages:
+            self.prefix.register_next(pages, keys)
+
     @precondition(lambda self: self.seqs and len(self.seqs) < 4)
     @rule(data=st.data())
     def fork(self, data):
