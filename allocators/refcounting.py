@@ -83,13 +83,6 @@ _MUTATORS = ("allocate", "allocate_page", "incref", "decref", "decref_page", "fo
              "set_cacheable", "evict", "allocate_contiguous")
 
 
-def _any(mask: np.ndarray) -> bool:
-    """``mask.any()`` for a 1-d bool array: a byte search instead of a numpy reduction,
-    which costs about 1 us per call whatever the size (the batched calls here take
-    tens to hundreds of pages, where that overhead is most of the call)."""
-    return 1 in mask.tobytes()
-
-
 def _require_count(n: object, what: str = "n") -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         raise InvalidArgumentType(f"{what} must be an int, got {type(n).__name__}")

@@ -29,8 +29,8 @@ import mlx.core as mx
 
 
 class InPlaceWrites:
-    def __init__(self, num_groups: int, sync_before_rewrite: bool | None = None) -> None:
-        """``sync_before_rewrite`` (None: off; see the module doc)."""
+    def __init__(self, num_groups: int, sync_before_rewrite: bool = False) -> None:
+        """``sync_before_rewrite``: see the module doc (off by default)."""
         self._reads: list[list[weakref.ref]] = [[] for _ in range(num_groups)]
         self._sync = bool(sync_before_rewrite)
         self._written: set[int] = set()  # groups written since the last synchronize

@@ -102,7 +102,7 @@ class PagePool:
         cache_limit: int | None = DEFAULT_CACHE_LIMIT,
         k_codec: PageCodec | None = None,
         v_codec: PageCodec | None = None,
-        sync_before_rewrite: bool | None = None,
+        sync_before_rewrite: bool = False,
     ) -> None:
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)

@@ -48,7 +48,7 @@ StateShapes = Sequence[Sequence[tuple[tuple[int, ...], mx.Dtype]]]
 
 class StatePool:
     def __init__(self, shapes: StateShapes, *, num_slots: int | None = None, max_bytes: int | None = None,
-                 allocator: BlockAllocator | None = None, sync_before_rewrite: bool | None = None) -> None:
+                 allocator: BlockAllocator | None = None, sync_before_rewrite: bool = False) -> None:
         """Slots for ``shapes`` (see ``StateShapes``): give ``num_slots`` (the null slot
         included) or a byte budget ``max_bytes``."""
         if not isinstance(shapes, (list, tuple)) or not shapes:
