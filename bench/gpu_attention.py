@@ -1,6 +1,7 @@
 """Paged decode attention and token writes on a CUDA GPU (run on the H200).
 
-    python bench/gpu_attention.py [--quick | --focus] [--skip-attention] [--skip-writes] [--out FILE]
+    python bench/gpu_attention.py [--quick | --focus] [--skip-attention] [--skip-prefill] [--skip-writes]
+                                  [--out FILE]
 
 1. Attention, fp16, 32 query heads, 8 KV heads, D=128, pages of 16 tokens in random
    order, B in {1, 8, 32, 64, 128}, L in {1k, 4k, 16k, 32k}, plus ragged batches
@@ -8,7 +9,9 @@
    K/V held contiguously (padded + masked for ragged rows), and gather + SDPA (the
    exact fallback path). Effective KV bandwidth = K/V bytes read / kernel time, next to
    a plain device-to-device copy (read + write bytes / time) measured here.
-2. Token writes vs pool size (0.5 to 4 GiB per layer array): ``pool[rows, slots] = tok``
+2. Prefill attention (D = 64 and 128; contexts to 16k, whole and chunked prefill,
+   ragged rows): the paged prefill kernel, SDPA on contiguous K/V, gather + SDPA.
+3. Token writes vs pool size (0.5 to 4 GiB per layer array): ``pool[rows, slots] = tok``
    as PagePool writes it, the same after ``mx.synchronize()``, and into 64 MiB chunk
    arrays; time per token and peak memory growth.
 """
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pagedkv.kernels import paged_decode  # noqa: E402
+from pagedkv.kernels import paged_decode, paged_prefill  # noqa: E402
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 LINES: list[str] = []
@@ -69,7 +72,7 @@ def copy_bandwidth() -> float:
     return 2 * x.nbytes / t / 1e12
 
 
-def setup(lengths: list[int], rng):
+def setup(lengths: list[int], rng, d: int = D):
     pages = [-(-n // PS) for n in lengths]
     total = sum(pages)
     perm = rng.permutation(total)
@@ -79,14 +82,28 @@ def setup(lengths: list[int], rng):
     for b, n in enumerate(pages):
         table[b, :n] = perm[at : at + n]
         at += n
-    kpool = mx.random.normal((HKV * total, PS, D)).astype(mx.float16)
-    vpool = mx.random.normal((HKV * total, PS, D)).astype(mx.float16)
+    kpool = mx.random.normal((HKV * total, PS, d)).astype(mx.float16)
+    vpool = mx.random.normal((HKV * total, PS, d)).astype(mx.float16)
     index = mx.array((np.arange(HKV)[None, :, None] * total + table[:, None, :]).reshape(-1).astype(np.int32))
     L = width * PS
-    kc = mx.take(kpool, index, axis=0).reshape(len(lengths), HKV, L, D)  # contiguous copy
-    vc = mx.take(vpool, index, axis=0).reshape(len(lengths), HKV, L, D)
+    kc = mx.take(kpool, index, axis=0).reshape(len(lengths), HKV, L, d)  # contiguous copy
+    vc = mx.take(vpool, index, axis=0).reshape(len(lengths), HKV, L, d)
     mx.eval(kpool, vpool, kc, vc)
     return kpool, vpool, mx.array(table), index, kc, vc, total
+
+
+def baselines(q, kpool, vpool, index, kc, vc, scale: float, mask):
+    """The two references a paged kernel is timed against: SDPA on the contiguous K/V
+    (``kc``/``vc``), and gathering the pages (``index``) for SDPA."""
+    def sdpa():
+        return mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale, mask=mask)
+
+    def gather():
+        k = mx.take(kpool, index, axis=0).reshape(kc.shape)
+        v = mx.take(vpool, index, axis=0).reshape(vc.shape)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+    return sdpa, gather
 
 
 def attention(args) -> None:
@@ -121,20 +138,55 @@ def attention(args) -> None:
             return paged_decode.paged_decode(q, kpool, vpool, table, lens_a, starts, scale,
                                              num_pages=total, page_size=PS)
 
-        def sdpa():
-            return mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale, mask=mask)
-
-        def gather():
-            k = mx.take(kpool, index, axis=0).reshape(b, HKV, L, D)
-            v = mx.take(vpool, index, axis=0).reshape(b, HKV, L, D)
-            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
-
+        sdpa, gather = baselines(q, kpool, vpool, index, kc, vc, scale, mask)
         err = (mx.abs(kernel().astype(mx.float32) - sdpa().astype(mx.float32)).max()).item()
         tk, ts, tg = bench(kernel), bench(sdpa), bench(gather, iters=3)
         kv_bytes = sum(lengths) * HKV * D * 2 * 2
         say(f"{b:>4}{label:>7}{tk * 1e6:>11.1f}{ts * 1e6:>10.1f}{tg * 1e6:>16.1f}"
             f"{tk / ts:>11.2f}{tg / ts:>13.2f}{kv_bytes / tk / 1e12:>9.2f}   max|kern-sdpa| {err:.1e}")
         mx.clear_cache()
+
+
+def prefill(args) -> None:
+    """Prefill and chunked prefill: L new queries per row at the end of each row's
+    context, causal. The paged prefill kernel against SDPA on the same K/V held
+    contiguously (the floor a paged reader aims at) and gather + SDPA (what pagedkv ran
+    before the kernel)."""
+    rng = np.random.default_rng(1)
+    say("prefill attention, fp16, 32 query heads, 8 KV heads, causal; TFLOP/s counts the visible scores")
+    say(f"{'D':>4}{'B':>4}{'context':>9}{'new':>6}{'kernel us':>11}{'SDPA us':>10}{'gather+SDPA us':>16}"
+        f"{'kern/SDPA':>11}{'gather/kern':>13}{'TFLOP/s':>9}")
+    cases = [(1, 1024, 1024), (1, 4096, 4096), (4, 4096, 4096), (1, 16384, 16384), (1, 16384, 512),
+             (1, 16384, 128), (1, 16384, 16), (8, 8192, 256), (32, 4096, 128), (8, "ragged", 512)]
+    if args.quick:
+        cases = [(1, 4096, 4096), (1, 16384, 512), (1, 16384, 128), (1, 16384, 16), (8, "ragged", 512)]
+    for d in (64, 128):
+        scale = d ** -0.5
+        for b, ctx, lq in cases:
+            lengths = rng.integers(lq, 8193, b).tolist() if ctx == "ragged" else [ctx] * b
+            kpool, vpool, table, index, kc, vc, total = setup(lengths, rng, d)
+            q = mx.random.normal((b, HQ, lq, d)).astype(mx.float16)
+            lens_a = mx.array(lengths, dtype=mx.int32)
+            starts = mx.zeros((b,), dtype=mx.int32)
+            L = kc.shape[2]
+            # query i of row b sits at lengths[b] - lq + i and sees keys up to it
+            pos = lens_a[:, None, None, None] - lq + mx.arange(lq)[None, None, :, None]
+            mask = "causal" if ctx != "ragged" else mx.arange(L)[None, None, None, :] <= pos
+
+            def kernel(tiling=None):
+                return paged_prefill.paged_prefill(q, kpool, vpool, table, lens_a, starts, scale,
+                                                   num_pages=total, page_size=PS, tiling=tiling)
+
+            sdpa, gather = baselines(q, kpool, vpool, index, kc, vc, scale, mask)
+            err = (mx.abs(kernel().astype(mx.float32) - sdpa().astype(mx.float32)).max()).item()
+            tk, ts, tg = bench(kernel, iters=3), bench(sdpa, iters=3), bench(gather, iters=3)
+            scores = sum(lq * n - lq * (lq - 1) // 2 for n in lengths) * HQ
+            say(f"{d:>4}{b:>4}{str(ctx):>9}{lq:>6}{tk * 1e6:>11.1f}{ts * 1e6:>10.1f}{tg * 1e6:>16.1f}"
+                f"{tk / ts:>11.2f}{tg / tk:>13.2f}{4 * scores * d / tk / 1e12:>9.1f}   max|kern-sdpa| {err:.1e}")
+            for tiling in args.tilings:
+                say(f"{'':>36}{paged_prefill.Tiling(*tiling)}: "
+                    f"{bench(lambda: kernel(paged_prefill.Tiling(*tiling)), iters=3) * 1e6:.1f} us")
+            mx.clear_cache()
 
 
 def writes(args) -> None:
@@ -218,13 +270,19 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-attention", action="store_true")
     ap.add_argument("--skip-writes", action="store_true")
+    ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--tilings", default="", help="prefill kernel tilings to time too, e.g. 2x32,2x64 "
+                    "(m16 tiles per warp x keys per stage)")
     ap.add_argument("--focus", action="store_true", help="B=8/32/64 at L=4k and one ragged batch; no writes")
     args = ap.parse_args()
+    args.tilings = [tuple(int(x) for x in t.split("x")) for t in args.tilings.split(",") if t]
     if not paged_decode.available():
         raise SystemExit("needs MLX on a CUDA GPU")
     say(f"mlx {mx.__version__} {mx.default_device()}")
     if not args.skip_attention:
         attention(args)
+    if not args.focus and not args.skip_prefill:
+        prefill(args)
     if not args.focus and not args.skip_writes:
         writes(args)
         pool_writes(args)

@@ -2,7 +2,8 @@
 
     python3 bench/gpu_generate.py [--model 1b|8b] [--dtype float16|bfloat16]
                                   [--batches 1,8,32,64] [--contexts 1024,4096] [--steps 32]
-                                  [--pipelined] [--sync] [--pool-scale 1]
+                                  [--pipelined] [--sync] [--pool-scale 1] [--prefill 1024,4096,16384]
+                                  [--gather-prefill]
 
 Model: random weights in mlx-lm's llama class, Llama-3.2-1B-shaped (16 layers, 32 query /
 8 KV heads, head_dim 64) or Llama-3-8B-shaped (32 layers, 32 / 8 heads, head_dim 128).
@@ -21,7 +22,9 @@ attention implementations (tests/test_gpu_kernel.py checks the kernel against SD
 
 Prefill (B = 1, each context): one prompt through ``make_prompt_cache`` (mlx-lm's
 ``KVCache``) and through ``make_paged_cache``, in chunks of 2048 tokens, to the first
-token; prompt tokens/s. Peak memory is MLX's peak for each side's run.
+token; prompt tokens/s. Peak memory is MLX's peak for each side's run. Paged prefill
+reads the pages through the CUDA prefill kernel; ``--gather-prefill`` gathers them for
+SDPA instead (the path before the kernel), for comparison.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache  # noqa: E402
 
 from pagedkv import PagedBatch, PagePool, make_paged_cache  # noqa: E402
 from pagedkv.generation import prefill  # noqa: E402
+from pagedkv.kernels import paged_prefill  # noqa: E402
 
 SHAPES = {
     "1b": dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192, num_attention_heads=32,
@@ -183,7 +187,11 @@ def main() -> None:
     ap.add_argument("--pool-scale", type=int, default=1,
                     help="size the pool this many times what the rows need (a copy of a layer array then "
                          "shows plainly in the peak column)")
+    ap.add_argument("--gather-prefill", action="store_true",
+                    help="prefill gathers the pages for SDPA instead of the paged prefill kernel (the former path)")
     args = ap.parse_args()
+    if args.gather_prefill:
+        paged_prefill.fits = lambda *a: False
     global PIPELINED, SYNC, POOL_SCALE
     PIPELINED, SYNC, POOL_SCALE = args.pipelined, args.sync, args.pool_scale
     dtype = getattr(mx, args.dtype)

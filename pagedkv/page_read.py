@@ -10,8 +10,8 @@ row's first needed page, padded with the null page to the widest row::
 
 ``parts(exact)`` gathers the page components (one row ``exact``: the tokens [lo, hi)
 themselves; else [B, kv_heads, width * page_size, c]); ``mask`` says which gathered
-keys each query sees; ``attend`` computes attention: the CUDA decode kernel straight
-from the pool where it applies, else the gathered parts through
+keys each query sees; ``attend`` computes attention: the CUDA decode or prefill kernel
+straight from the pool where it applies, else the gathered parts through
 :func:`pagedkv.attention.attend_parts`.
 
 Ownership: a PageRead holds page ids, not references; its owner keeps the pages alive
@@ -28,7 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 from pagedkv.attention import attend_parts
-from pagedkv.kernels import paged_decode
+from pagedkv.kernels import paged_decode, paged_prefill
 from pagedkv.pool import PagePool
 from pagedkv.table import PageTable
 from pagedkv.visibility import page_span, range_mask
@@ -74,19 +74,30 @@ class PageRead:
                           window=window)
 
     def attend(self, layer: int, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool,
-               parts=None) -> mx.array:
+               parts=None, window: int | None = None) -> mx.array:
         """Attention of ``q`` [B, n_heads, L, D] over these keys of pool layer ``layer``. ``mask`` is over
         ``parts(exact)``; ``kernel``: the caller vouches that ``mask`` adds nothing to
-        the rows' ranges (None, or one this read describes), so a one-query step may
-        take the CUDA kernel, which applies [lo, hi) itself. ``parts``: this read's
-        ``parts(exact)`` if the caller already gathered them."""
+        the rows' ranges but causality and ``window`` (the queries are each row's last L
+        positions), so the CUDA kernels may apply them instead: decode (one query per
+        row) or prefill (several). ``parts``: this read's ``parts(exact)`` if the caller
+        already gathered them."""
         pool = self.pool
-        if kernel and pool.kind.decode_kernel and paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
-            if not self._kernel_ranges:
-                self._kernel_ranges.extend((mx.array((self.hi - self.key_base).astype(np.int32)),
-                                            mx.array((self.lo - self.key_base).astype(np.int32))))
-            return paged_decode.paged_decode(
-                q, *pool.layer_arrays(layer), self.table, *self._kernel_ranges,
-                scale, num_pages=pool.num_pages, page_size=pool.page_size)
+        if kernel and pool.kind.decode_kernel:
+            if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
+                return paged_decode.paged_decode(
+                    q, *pool.layer_arrays(layer), self.table, *self._ranges(),
+                    scale, num_pages=pool.num_pages, page_size=pool.page_size)
+            if paged_prefill.fits(q, pool.num_kv_heads, pool.dtype) and paged_prefill.preferred(q, mask):
+                return paged_prefill.paged_prefill(
+                    q, *pool.layer_arrays(layer), self.table, *self._ranges(),
+                    scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window)
         k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)
+
+    def _ranges(self) -> list:
+        """The kernels' (lengths, starts): [lo, hi) in gathered columns, made once for
+        every layer."""
+        if not self._kernel_ranges:
+            self._kernel_ranges.extend((mx.array((self.hi - self.key_base).astype(np.int32)),
+                                        mx.array((self.lo - self.key_base).astype(np.int32))))
+        return self._kernel_ranges

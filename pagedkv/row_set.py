@@ -588,7 +588,11 @@ class RowSet:
         self._masks[self.layout.layers[layer][0]] = mask
 
     def owns_mask(self, layer: int, mask) -> bool:
-        """``mask`` is None or the one ``note_mask`` recorded for ``layer``'s kind."""
+        """``mask`` says no more than the rows' ranges, causality and the layer's window:
+        None, ``"causal"`` on a layer without a window, or the one ``note_mask`` recorded
+        for ``layer``'s kind."""
+        if isinstance(mask, str):
+            return mask == "causal" and self.spec_of(layer).window is None
         return mask is None or mask is self._masks.get(self.layout.layers[layer][0])
 
     def attend(self, layer: int, queries: mx.array, scale: float, mask, mask_is_ours: bool,
@@ -597,7 +601,8 @@ class RowSet:
         pages (``PageRead.attend``); ``mask_is_ours``: ``mask`` is None or what ``mask``
         made for this step; ``parts``: what ``read`` already gathered for it."""
         return self.read_plan(layer, *self.visible_range(layer)).attend(
-            self.layout.layers[layer][1], queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts)
+            self.layout.layers[layer][1], queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts,
+            window=self.spec_of(layer).window)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:

@@ -129,8 +129,9 @@ class KvAttentionView:
         ``mask``: None, "causal" (queries are the last L positions) or an array
         broadcastable to [B, n_heads, L, keys]; ``window`` additionally limits each query
         to the last ``window`` keys up to its position (a drafter's sliding window).
-        On a CUDA GPU one query per row reads the pool through the kernel; otherwise the
-        pages are gathered (``PageRead.attend``).
+        On a CUDA GPU, one query per row (mask None or "causal") or several ("causal")
+        read the pool through the decode or prefill kernel; otherwise the pages are
+        gathered (``PageRead.attend``).
         """
         self._check()
         if not isinstance(q, mx.array) or q.ndim != 4:
@@ -143,8 +144,9 @@ class KvAttentionView:
                 f"{pool.num_kv_heads} kv heads, head_dim {pool.head_dim}"
             )
         read, causal = self._read, isinstance(mask, str) and mask == "causal"
-        kernel = n_q == 1 and (mask is None or causal)  # one query: the rows' ranges say it all
-        if kernel and window is not None:  # ... its window too
+        # the rows' ranges, causality and the window are all the mask says: the kernels apply them
+        kernel = causal or (n_q == 1 and mask is None)
+        if n_q == 1 and kernel and window is not None:  # one query: its window is a range
             read, window = attrs.evolve(read, lo=np.maximum(read.lo, read.hi - window)), None
         if read.num_rows > 1 or window is not None:
             row = read.mask(n_q, exact=True, causal=causal or window is not None, window=window)
@@ -152,9 +154,9 @@ class KvAttentionView:
             if isinstance(mask, mx.array):
                 row = row & mask if mask.dtype == mx.bool_ else mx.where(row, mask, -mx.inf)
             mask = row
-        elif kernel:
+        elif n_q == 1 and kernel:
             mask = None
-        return read.attend(self.layer, q, scale, mask, exact=True, kernel=kernel)
+        return read.attend(self.layer, q, scale, mask, exact=True, kernel=kernel, window=window)
 
     # ------------------------------------------------------------------ lifetime
     def release(self) -> None:

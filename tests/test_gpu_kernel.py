@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pagedkv import KvAttentionView, PagedKVCache, PagePool, PageTable
-from pagedkv.kernels import paged_decode
+from pagedkv.kernels import paged_decode, paged_prefill
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not paged_decode.available(), reason="needs MLX on a CUDA GPU")]
@@ -152,3 +152,107 @@ def test_the_models_own_decode_step_and_the_batch_run_on_the_kernel(monkeypatch)
         ref = model(mx.array([[row + 1]]), cache=ref_cache)
         assert rel(logits[row, -1], ref[0, -1]) < 2e-2
     batch.release()
+
+
+# ---------------------------------------------------------------- prefill kernel
+def prefill_reference(q, kvs, lengths, starts, scale, window=None):
+    """Float32 SDPA per row: query i at lengths[b] - L + i sees keys [starts[b], that]."""
+    lq = q.shape[2]
+    outs = []
+    for b, (k, v) in enumerate(kvs):
+        n = lengths[b]
+        pos = np.arange(n - lq, n)[:, None]
+        keys = np.arange(n)[None]
+        mask = (keys >= starts[b]) & (keys <= pos)
+        if window is not None:
+            mask &= keys > pos - window
+        outs.append(mx.fast.scaled_dot_product_attention(
+            q[b : b + 1].astype(mx.float32), k[:, :, :n].astype(mx.float32), v[:, :, :n].astype(mx.float32),
+            scale=scale, mask=mx.array(mask)))
+    return mx.concatenate(outs)
+
+
+def check_prefill(dtype, d, lengths, lq, hq=16, starts=None, window=None, splits=None, ps=16):
+    pool, caches, kvs = random_pool(dtype, d, lengths, ps=ps)
+    starts = starts or [0] * len(lengths)
+    rng = np.random.default_rng(2)
+    q = mx.array(rng.standard_normal((len(lengths), hq, lq, d)).astype(np.float32)).astype(dtype)
+    scale = d ** -0.5
+    view = KvAttentionView(pool, 0, [c.table for c in caches])
+    got = paged_prefill.paged_prefill(
+        q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
+        mx.array(starts, dtype=mx.int32), scale, num_pages=pool.num_pages, page_size=ps, window=window,
+        splits=splits, poison=True)
+    assert not mx.isnan(got).any().item()  # every element was written
+    assert rel(got, prefill_reference(q, kvs, lengths, starts, scale, window)) < TOL[dtype]
+    view.release()
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("lengths, lq", [([100], 100), ([1000], 1000), ([700, 90, 1300], 90),
+                                         ([4096, 300], 17), ([40, 41], 2)])
+def test_prefill_kernel_matches_float32_sdpa(dtype, d, lengths, lq):
+    check_prefill(dtype, d, lengths, lq)
+
+
+@pytest.mark.parametrize("hq", [4, 12, 28, 32])   # 4 KV heads: GQA groups of 1, 3, 7, 8
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_prefill_kernel_any_gqa_group_and_split_count(hq, splits):
+    check_prefill(mx.float16, 128, [600, 257], 129, hq=hq, splits=splits)
+
+
+def test_prefill_kernel_applies_start_window_and_page_size():
+    check_prefill(mx.float16, 64, [900, 500], 300, starts=[128, 7], window=200, ps=1)
+    check_prefill(mx.bfloat16, 128, [2000], 64, starts=[1700], window=256, ps=32)
+
+
+def test_prefill_chunked_prefill_and_a_batch_verify_step_run_on_the_prefill_kernel(monkeypatch):
+    """A prompt prefilled in chunks, and a batch step of 3 tokens per ragged row (a
+    speculative verify), read the pages through the prefill kernel and give mlx-lm's
+    logits."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from tiny_models import make_model, make_pool, prompt_of
+
+    from pagedkv import PagedBatch, make_paged_cache
+
+    model = make_model("llama")
+    model.set_dtype(mx.float16)
+    calls = []
+    real = paged_prefill.paged_prefill
+    monkeypatch.setattr(paged_prefill, "paged_prefill", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    pool = make_pool("llama", page_size=16, num_pages=64, dtype=mx.float16)
+    batch = PagedBatch.for_model(model, pool)
+    refs = []
+    for seed, n in ((1, 150), (2, 61)):
+        prompt = prompt_of(n, seed=seed)
+        c, ref = make_paged_cache(model, pool), make_prompt_cache(model)
+        for lo in range(0, n, 64):
+            chunk = mx.array(prompt[lo : lo + 64])[None]
+            got, want = model(chunk, cache=c), model(chunk, cache=ref)
+            assert rel(got, want) < 2e-2
+        batch.extend(c)
+        refs.append(ref)
+    assert len(calls) == (3 + 1) * len(model.layers)
+    calls.clear()
+    step = mx.array([[5, 6, 7], [8, 9, 10]])
+    logits = model(step, cache=batch.caches)
+    mx.eval(logits)
+    assert len(calls) == len(model.layers)
+    for row, ref in enumerate(refs):
+        assert rel(logits[row], model(step[row : row + 1], cache=ref)[0]) < 2e-2
+    batch.release()
+
+
+@pytest.mark.parametrize("tiling", [paged_prefill.Tiling(m, k) for m in (1, 2) for k in (16, 32, 64)])
+def test_prefill_kernel_every_tiling_gives_the_same_answer(tiling):
+    pool, caches, kvs = random_pool(mx.float16, 64, [700, 150, 1100])
+    q = mx.random.normal((3, 12, 140, 64)).astype(mx.float16)  # every query sees a key: 10 >= 3
+    view = KvAttentionView(pool, 0, [c.table for c in caches])
+    lengths, starts = [700, 150, 1100], [0, 3, 200]
+    got = paged_prefill.paged_prefill(
+        q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
+        mx.array(starts, dtype=mx.int32), 0.125, num_pages=pool.num_pages, page_size=16, window=400,
+        tiling=tiling, poison=True)
+    assert rel(got, prefill_reference(q, kvs, lengths, starts, 0.125, 400)) < TOL[mx.float16]
+    view.release()

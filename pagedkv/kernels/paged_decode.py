@@ -36,22 +36,9 @@ from pathlib import Path
 import attrs
 import mlx.core as mx
 
-_SOURCE_FILE = Path(__file__).with_suffix(".cu")
+from pagedkv.kernels.cuda_source import sections
 
-
-def _sections() -> dict[str, str]:
-    """The CUDA source in paged_decode.cu, cut at its ``// @section NAME`` lines."""
-    sections: dict[str, list[str]] = {}
-    current = None
-    for line in _SOURCE_FILE.read_text().splitlines():
-        if line.startswith("// @section "):
-            current = sections.setdefault(line.split()[-1], [])
-        elif current is not None:
-            current.append(line)
-    return {name: "\n".join(lines) + "\n" for name, lines in sections.items()}
-
-
-_CUDA = _sections()
+_CUDA = sections(Path(__file__).with_suffix(".cu"))
 
 
 @attrs.frozen
@@ -138,7 +125,7 @@ def _kernel(name: str, shared_bytes: int = 0):
     return k
 
 
-def _scale_array(scale: float) -> mx.array:
+def scale_array(scale: float) -> mx.array:
     """The softmax scale as a one-element device array, made once per value."""
     a = _SCALES.get(scale)
     if a is None:
@@ -146,7 +133,7 @@ def _scale_array(scale: float) -> mx.array:
     return a
 
 
-def _dims_array(*dims: int) -> mx.array:
+def dims_array(*dims: int) -> mx.array:
     """The kernels' runtime sizes as a device array, made once per value."""
     a = _DIMS.get(dims)
     if a is None:
@@ -213,21 +200,30 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
                 ("STAGES", pipeline.stages)]
     if not mma:
         template.append(("U", pipeline.groups))
-    dims = _dims_array(s, pps, w, num_pages)
+    dims = dims_array(s, pps, w, num_pages)
     shared = pipeline.shared_bytes(d, rep, shared_pages(pps))
     if shared > MAX_SHARED_BYTES:
         raise ValueError(f"{pipeline} needs {shared} bytes of shared memory per block at D={d}, "
                          f"REP={rep}; a block may use {MAX_SHARED_BYTES}")
     part_acc, part_ml = _kernel("mma" if mma else "fma", shared)(
         inputs=[q.reshape(b * hq, d), k_pool, v_pool, table, lengths, starts,
-                _scale_array(scale), dims],
+                scale_array(scale), dims],
         template=template, grid=(b * hkv * s * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(b * hq * s * d,), (b * hq * s * 2,)], output_dtypes=[mx.float32, mx.float32],
         **init,
     )
+    return merge_splits(part_acc, part_ml, dims, q.dtype, d, b * hq, poison).reshape(b, hq, 1, d)
+
+
+def merge_splits(part_acc: mx.array, part_ml: mx.array, dims: mx.array, dtype: mx.Dtype, d: int,
+                 rows: int, poison: bool = False) -> mx.array:
+    """Pass 2: merge ``dims[0]`` splits' partials of ``rows`` query rows (row-major
+    [rows, splits, D] accumulators and [rows, splits, 2] (max, sum), exp2 domain) into
+    [rows * D] outputs of ``dtype``. The prefill kernel writes the same partials."""
+    init = {"init_value": float("nan")} if poison else {}
     (out,) = _kernel("merge")(
-        inputs=[part_acc, part_ml, dims], template=[("T", q.dtype), ("D", d)],
-        grid=(b * hq * min(d, 128), 1, 1), threadgroup=(min(d, 128), 1, 1),
-        output_shapes=[(b * hq * d,)], output_dtypes=[q.dtype], **init,
+        inputs=[part_acc, part_ml, dims], template=[("T", dtype), ("D", d)],
+        grid=(rows * min(d, 128), 1, 1), threadgroup=(min(d, 128), 1, 1),
+        output_shapes=[(rows * d,)], output_dtypes=[dtype], **init,
     )
-    return out.reshape(b, hq, 1, d)
+    return out
