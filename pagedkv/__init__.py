@@ -4,8 +4,9 @@
 - :class:`PageTable`: one sequence's pages and length; reserve / trim / fork / release.
 - :class:`RowSet`: the engine under every cache: B rows' tables, per-layer positions, steps.
 - :class:`PagedKVCache`, :func:`make_paged_cache`: mlx-lm's cache protocol on pages (one
-  row); :class:`PagedBatch`: B rows decoded together; :func:`route_attention`: mlx-lm's
-  attention reads the pages directly.
+  row); :class:`PagedBatch`: B rows decoded together; :class:`CompiledDecode`: its
+  decode step under ``mx.compile``; :func:`route_attention`: mlx-lm's attention reads
+  the pages directly.
 - :class:`KvAttentionView`, :data:`SharedKv` (:class:`PlainKv`, :class:`QuantKv`,
   :class:`ViewKv`), :class:`ForwardPass`, :class:`KvSharingPlan`: the donor/sharer contract.
 - :class:`StatePool`, :class:`PagedStateCache`: hybrid models' recurrent-layer state
@@ -20,6 +21,7 @@ from pagedkv.batch import PagedBatch, PagedBatchKVCache
 from pagedkv.cache import PagedKVCache, PagedPromptCache, layout_for, make_paged_cache
 from pagedkv.cache_file import load_cache, save_cache
 from pagedkv.codec import AffineQuant, FullPrecision, RotatedAffineQuant, rotated
+from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.disk_tier import DiskTier
 from pagedkv.donor_cache import DonorCache, donor_caches
 from pagedkv.drafter import DrafterKv
@@ -71,6 +73,7 @@ __all__ = [
     "preempt",
     "PagedBatch",
     "PagedBatchKVCache",
+    "CompiledDecode",
     "AffineQuant",
     "FullPrecision",
     "route_attention",

@@ -47,11 +47,16 @@ class PageRead:
     _kernel_ranges: list = attrs.field(factory=list, eq=False, repr=False)  # made once, for every layer
 
     @classmethod
-    def of(cls, pool: PagePool, tables: Sequence[PageTable], lo: np.ndarray, hi: np.ndarray) -> PageRead:
+    def of(cls, pool: PagePool, tables: Sequence[PageTable], lo: np.ndarray, hi: np.ndarray,
+           bucket: int = 1) -> PageRead:
+        """The read of tokens [lo[b], hi[b]) of ``tables``; ``bucket``: the width (in
+        pages) is rounded up to a multiple of it (null pages), so reads of growing rows
+        keep one shape for a while (a compiled step is traced once per shape)."""
         ps = pool.page_size
         first, stop, width = page_span(lo, hi, ps)
+        width = -(-width // bucket) * bucket
         rows = [t.page_ids(f, e) for t, f, e in zip(tables, first, stop)]
-        snapshot, index = pool.gather_index(rows)
+        snapshot, index = pool.gather_index(rows, width)
         return cls(pool, lo, hi, np.concatenate(rows), first * ps, width * ps,
                    mx.array(snapshot.astype(np.int32)), index)
 
@@ -85,16 +90,16 @@ class PageRead:
         if kernel and pool.kind.decode_kernel:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
                 return paged_decode.paged_decode(
-                    q, *pool.layer_arrays(layer), self.table, *self._ranges(),
+                    q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
                     scale, num_pages=pool.num_pages, page_size=pool.page_size)
             if paged_prefill.fits(q, pool.num_kv_heads, pool.dtype) and paged_prefill.preferred(q, mask):
                 return paged_prefill.paged_prefill(
-                    q, *pool.layer_arrays(layer), self.table, *self._ranges(),
+                    q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
                     scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window)
         k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)
 
-    def _ranges(self) -> list:
+    def kernel_ranges(self) -> list:
         """The kernels' (lengths, starts): [lo, hi) in gathered columns, made once for
         every layer."""
         if not self._kernel_ranges:

@@ -185,13 +185,14 @@ class PagePool:
         """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
         return self._head_base + pages[None, :]
 
-    def gather_index(self, rows: Sequence[np.ndarray]) -> tuple[np.ndarray, mx.array]:
+    def gather_index(self, rows: Sequence[np.ndarray], width: int = 0) -> tuple[np.ndarray, mx.array]:
         """Read indices for one or more sequences' pages (each row's pages in order).
 
         Returns (table int64 [len(rows), width] of page ids, padded with the null page,
-        and flat int32 take-indices [len(rows) * kv_heads * width] for ``gather``).
+        and flat int32 take-indices [len(rows) * kv_heads * width] for ``gather``);
+        ``width`` is the widest row's page count, or the given one if that is larger.
         """
-        width = max(r.size for r in rows)
+        width = max(width, max(r.size for r in rows))
         table = np.full((len(rows), width), self.null_page, dtype=np.int64)
         for b, r in enumerate(rows):
             table[b, : r.size] = r
@@ -230,22 +231,42 @@ class PagePool:
                       values: mx.array) -> None:
         """``write`` for a caller that has validated ``layer`` and ``keys``/``values``
         (``check_kv``) itself: the row set, once per layer of a step."""
+        self._writes.before_write(layer)  # (in place: see the module doc)
+        self.scatter(layer, rows, slots, keys, values)
+
+    def scatter(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """The scatter of ``write_checked`` without settling the layer's pending reads
+        first: for a compiled step (:mod:`pagedkv.compiled_decode`), which settles every
+        layer (``settle_reads``) before it runs and may not evaluate inside."""
         k_parts = self.k_codec.encode(keys)  # quantised pages: a token is encoded when written
         v_parts = self.v_codec.encode(values)
-        self._writes.before_write(layer)  # (in place: see the module doc)
         for arr, part in zip(self._k[layer], k_parts):
             arr[rows, slots] = part
         for arr, part in zip(self._v[layer], v_parts):
             arr[rows, slots] = part
 
+    def settle_reads(self) -> None:
+        """Evaluate every layer's reads that are still pending (see the module doc), so
+        that the writes that follow can be in place."""
+        for layer in range(self.num_layers):
+            self._writes.settle(layer)
+
+    def compile_state(self) -> list[list[list[mx.array]]]:
+        """The pool's own lists of layer arrays, ``[K lists, V lists]``, for
+        ``mx.compile(..., inputs=state, outputs=state)``: a compiled function that
+        writes the pool reads them as inputs, and MLX puts the written arrays back into
+        these very lists after each call. Nothing else may hold them."""
+        return [self._k, self._v]
+
     def gather(self, layer: int, index: mx.array, start: int, stop: int,
-               rows: int = 1) -> tuple[Parts, Parts]:
+               rows: int = 1, track: bool = True) -> tuple[Parts, Parts]:
         """Read tokens [start, stop) of every row of pages named by ``index``.
 
         ``index`` comes from ``gather_index`` (``rows`` rows of equal width); positions
         count from each row's first listed page. Returns the K and V components as new
         lazy arrays [rows, kv_heads, stop - start, c]. The pool keeps weak references to
-        them so a later write of this layer can settle them first (module doc).
+        them so a later write of this layer can settle them first (module doc); not with
+        ``track=False`` (inside a compiled step, whose reads are not arrays yet).
         """
         n = index.shape[0] // (self.num_kv_heads * rows)  # pages per row
 
@@ -255,7 +276,7 @@ class PagePool:
                 x = mx.take(arr, index, axis=0).reshape(rows, self.num_kv_heads, n * self.page_size, arr.shape[-1])
                 if start or stop != n * self.page_size:
                     x = x[:, :, start:stop]
-                out.append(self._writes.track(layer, x))
+                out.append(self._writes.track(layer, x) if track else x)
             return tuple(out)
 
         return read(self._k[layer]), read(self._v[layer])

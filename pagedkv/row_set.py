@@ -357,7 +357,7 @@ class RowSet:
             self._prepare(layer, start, count)
             spec, pool_layer = self.layout.layers[layer]
             pool = self.layout.specs[spec].pool
-            rows, slots = self._write_index(spec, start, count)
+            rows, slots = self.write_index(spec, start, count)
             if self.num_rows == 1:
                 flat_k, flat_v = keys[0], values[0]
             else:
@@ -372,6 +372,41 @@ class RowSet:
         self.step_starts[layer] = start
         self._close_if_done()
         return start
+
+    def reserve_step(self, count: int) -> np.ndarray:
+        """A step's bookkeeping for every layer, without writing: pages reserved in every
+        table (``PoolExhausted`` before anything changes) and every layer advanced by
+        ``count`` tokens. The step stays open until ``finish_reserved``; in between the
+        caller queues the step's writes itself (a compiled step,
+        :mod:`pagedkv.compiled_decode`). Returns the rows' positions before the step.
+        Needs every layer at the same positions, and no recurrent layers."""
+        self.check_alive()
+        if self.layout.state_slots:
+            raise NotSupportedError("a reserved step has no recurrent (state) layers")
+        if self.num_rows == 0:
+            raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
+        start = self.offsets[0].copy()
+        if (self.offsets != start).any():
+            raise KvShapeError("layers stand at different positions; a reserved step moves them together")
+        if any(t.num_tokens != p for ts in self._tables for t, p in zip(ts, start.tolist())):
+            raise NotSupportedError("a reserved step appends: the page tables must end where the layers stand")
+        try:
+            for layer in range(self.layout.num_layers):
+                self._prepare(layer, start, count)
+                self.offsets[layer] = start + count
+                self.step_starts[layer] = start
+        except BaseException:
+            self._abort_step()
+            raise
+        return start
+
+    def finish_reserved(self, ok: bool) -> None:
+        """Close the step ``reserve_step`` opened (its writes are queued), or with
+        ``ok=False`` undo it: every layer and table exactly as before it."""
+        if ok:
+            self._close_step()
+        else:
+            self._abort_step()
 
     def _close_if_done(self) -> None:
         done = len(self._saved) + (self.states.num_advanced if self.states is not None else 0)
@@ -528,7 +563,10 @@ class RowSet:
         self._writers = 0
 
     # ------------------------------------------------------------------ indices
-    def _write_index(self, spec: int, start: np.ndarray, count: int) -> tuple[mx.array, mx.array]:
+    def write_index(self, spec: int, start: np.ndarray, count: int) -> tuple[mx.array, mx.array]:
+        """(pool array rows, slots) of tokens [start, start + count) of every row of
+        ``spec``'s tables, int32 and flat (rows: [kv_heads, B * count]); memoised until
+        the rows or their pages change."""
         key = ("w", spec, start.tobytes(), count)
         hit = self._memo.get(key)
         if hit is None:

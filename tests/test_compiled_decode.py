@@ -1,0 +1,145 @@
+"""CompiledDecode: a PagedBatch's decode step under mx.compile gives the eager step's
+logits and leaves the rows exactly where the eager step does (CPU here; the GPU run
+takes the decode kernel inside the trace)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import LOGITS_ATOL, make_model, make_pool, prompt_of
+
+from pagedkv import (
+    CompiledDecode,
+    InvalidTypeError,
+    KvShapeError,
+    NotSupportedError,
+    PagedBatch,
+    PagePool,
+    PoolExhausted,
+    StatePool,
+    make_paged_cache,
+)
+
+
+def batch_of(model, pool, lengths):
+    batch = PagedBatch.for_model(model, pool)
+    for seed, n in enumerate(lengths):
+        c = make_paged_cache(model, pool)
+        model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=c)
+        batch.extend(c)
+    return batch
+
+
+def snapshot(batch):
+    rows = batch.rows
+    return (rows.offsets.copy(), rows.step_starts.copy(), [t.page_ids(0, t.num_pages).tolist() for t in rows.tables(0)],
+            batch.pool.allocator.num_available())
+
+
+@pytest.mark.parametrize("pages", ["fp", "affine8"])
+def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages):
+    model = make_model("llama")
+    lengths = [5, 13, 30]
+    eager_pool = make_pool("llama", page_size=4, num_pages=96, pages=pages)
+    comp_pool = make_pool("llama", page_size=4, num_pages=96, pages=pages)
+    eager, compiled = batch_of(model, eager_pool, lengths), batch_of(model, comp_pool, lengths)
+    step = CompiledDecode(model, compiled, bucket=2)   # small buckets: rows outgrow them, retraces
+    tok_e = tok_c = mx.array([[1], [2], [3]])
+    for _ in range(12):  # crosses page boundaries of every row
+        le = model(tok_e, cache=eager.caches)
+        lc = step(tok_c)
+        assert mx.allclose(le, lc, atol=LOGITS_ATOL).item()
+        tok_e = mx.argmax(le[:, -1], axis=-1)[:, None]
+        tok_c = mx.argmax(lc[:, -1], axis=-1)[:, None]
+        assert tok_e.tolist() == tok_c.tolist()
+        e, c = snapshot(eager), snapshot(compiled)
+        assert (e[0] == c[0]).all() and (e[1] == c[1]).all() and len(e[2]) == len(c[2]) and e[3] == c[3]
+        assert [len(p) for p in e[2]] == [len(p) for p in c[2]]
+    assert 2 <= step.traces < 12
+    # the compiled batch carries on eagerly, against mlx-lm's own cache per row
+    last = model(tok_c, cache=compiled.caches)
+    for row, n in enumerate(lengths):
+        ref = make_prompt_cache(model)
+        model(mx.array(prompt_of(n, seed=row + 1))[None], cache=ref)
+        tok = mx.array([[row + 1]])
+        for _ in range(12):
+            tok = mx.argmax(model(tok, cache=ref)[:, -1], axis=-1)[:, None]
+        if pages == "fp":
+            assert mx.allclose(model(tok, cache=ref)[0], last[row], atol=LOGITS_ATOL).item()
+    eager.release()
+    compiled.release()
+    assert comp_pool.allocator.num_available() == eager_pool.allocator.num_available()
+
+
+def test_a_step_that_cannot_get_pages_changes_nothing():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=12)
+    batch = batch_of(model, pool, [8, 12])  # 5 pages used, every row ends on a page boundary
+    while pool.allocator.num_available() > 1:
+        pool.allocator.allocate(1)   # someone else holds the rest: one page for two rows
+    step = CompiledDecode(model, batch)
+    before = snapshot(batch)
+    with pytest.raises(PoolExhausted):
+        step(mx.array([1, 2]))
+    after = snapshot(batch)
+    assert (before[0] == after[0]).all() and before[2:] == after[2:]
+
+
+@pytest.mark.parametrize("tokens, error", [
+    ([1, 2], InvalidTypeError),                                # not an array
+    (mx.array([1.0, 2.0]), InvalidTypeError),                  # not integers
+    (mx.array([1, 2, 3]), KvShapeError),                       # three tokens for two rows
+    (mx.array([[1, 2], [3, 4]]), KvShapeError),                # two tokens per row
+])
+def test_bad_tokens_are_refused_and_change_nothing(tokens, error):
+    model = make_model("llama")
+    batch = batch_of(model, make_pool("llama", page_size=4, num_pages=32), [3, 9])
+    step = CompiledDecode(model, batch)
+    before = snapshot(batch)
+    with pytest.raises(error):
+        step(tokens)
+    after = snapshot(batch)
+    assert (before[0] == after[0]).all() and before[2:] == after[2:]
+    assert step.traces == 0
+
+
+def test_layers_at_different_positions_or_hybrids_are_not_compiled():
+    model = make_model("llama")
+    batch = batch_of(model, make_pool("llama", page_size=4, num_pages=32), [6, 9])
+    batch.caches[0].trim(1)   # one layer alone
+    with pytest.raises((KvShapeError, NotSupportedError)):
+        CompiledDecode(model, batch)(mx.array([1, 2]))
+    with pytest.raises(InvalidTypeError):
+        CompiledDecode(model, object())
+    hybrid = make_model("qwen3_next")
+    n_attn = sum(type(c).__name__ == "KVCache" for c in hybrid.make_cache())
+    pool = PagePool(num_layers=n_attn, num_kv_heads=2, head_dim=16, page_size=4, num_pages=32)
+    with pytest.raises(NotSupportedError):
+        CompiledDecode(hybrid, PagedBatch.for_model(hybrid, pool, state_pool=StatePool.for_model(hybrid, num_slots=4)))
+
+
+def test_an_error_inside_the_step_undoes_its_reservation(monkeypatch):
+    import pagedkv.compiled_decode as compiled_decode
+
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=32)
+    batch = batch_of(model, pool, [8, 5])  # row 0 needs a new page for its next token
+    step = CompiledDecode(model, batch)
+    before = snapshot(batch)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr(compiled_decode, "attend_parts", broken)
+    with pytest.raises(RuntimeError):
+        step(mx.array([1, 2]))
+    after = snapshot(batch)
+    assert (before[0] == after[0]).all() and (before[1] == after[1]).all() and before[2:] == after[2:]
+    monkeypatch.undo()
+    # the pool's arrays are its own again (not the trace's placeholders): the rows work
+    logits = model(mx.array([[1], [2]]), cache=batch.caches)
+    ref = make_prompt_cache(model)
+    model(mx.array(prompt_of(8, seed=1))[None], cache=ref)
+    assert mx.allclose(logits[0], model(mx.array([[1]]), cache=ref)[0], atol=LOGITS_ATOL).item()
+    out = step(mx.array([3, 4]))  # and the compiled step traces afresh
+    ref_next = model(mx.array([[3]]), cache=ref)
+    assert mx.allclose(out[0], ref_next[0], atol=LOGITS_ATOL).item() and batch.lengths == [10, 7]
