@@ -12,7 +12,8 @@ Issue 15: ``mx.compile`` of the paged decode step, with the figure either way. S
              model traced once per (B, table bucket) and replayed
 
 Printed per case: decode tokens/s with the host time per step in brackets (building and
-queueing the step, bookkeeping included), the compiled side's traces, its peak memory
+queueing the step, bookkeeping included; with ``--pipelined`` the building alone, and the
+``mx.async_eval`` that queues it on a line of its own), the compiled side's traces, its peak memory
 growth (a pool array copied instead of written in place would show as a layer's size),
 and in how many rows eager and compiled pagedkv end on the same token (both start from
 the same K/V; fp16 rounding can flip a near-tie).
@@ -46,11 +47,14 @@ def generate_compiled(step: CompiledDecode, first: mx.array, steps: int):
     if gpu_generate.PIPELINED:
         tok = mx.argmax(step(tok)[:, -1], axis=-1)[:, None]
         mx.async_eval(tok)
+        gpu_generate.QUEUED.clear()
         for _ in range(steps - 1):
             t = time.perf_counter()
             nxt = mx.argmax(step(tok)[:, -1], axis=-1)[:, None]
+            built = time.perf_counter()
             mx.async_eval(nxt)
-            host.append(time.perf_counter() - t)
+            host.append(built - t)
+            gpu_generate.QUEUED.append(time.perf_counter() - built)
             tok.tolist()
             tok = nxt
         mx.eval(tok)
@@ -76,10 +80,11 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
         generate(model, caches, first, 2)
         for c in caches:
             c.trim(2)
+    queued = {}  # --pipelined: median ms of each side's mx.async_eval
     t, host, _ = generate(model, ref, first, steps)
-    out["mlx_lm"] = (len(lengths) * steps / t, host)
+    out["mlx_lm"], queued["mlx_lm"] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
     t, host, eager_toks = generate(model, batch.caches, first, steps)
-    out["pagedkv"] = (len(lengths) * steps / t, host)
+    out["pagedkv"], queued["pagedkv"] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
     batch.release()
     del ref, batch
     step = CompiledDecode(model, twin, bucket=bucket)
@@ -90,7 +95,8 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     base = mx.get_active_memory()
     mx.reset_peak_memory()
     t, host, toks = generate_compiled(step, first, steps)
-    out["compiled"] = (len(lengths) * steps / t, host)
+    out["compiled"], queued["compiled"] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
+    out["queued"] = {k: statistics.median(v) * 1e3 for k, v in queued.items() if v}
     out["traces"] = step.traces
     out["growth"] = (mx.get_peak_memory() - base) / 2**20
     out["same"] = f"{sum(a == b for a, b in zip(eager_toks, toks))}/{len(lengths)}"
@@ -124,6 +130,9 @@ def main() -> None:
             print(f"{b:>3} {ctx:>7} {cells} {r['compiled'][0] / r['pagedkv'][0]:>16.2f}x "
                   f"{r['compiled'][0] / r['mlx_lm'][0]:>15.2f}x {r['traces']:>7} {r['growth']:>10.0f} "
                   f"{r['same']:>16}", flush=True)
+            if r["queued"]:
+                print("      mx.async_eval ms per step (not in the host time): "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in r["queued"].items()), flush=True)
 
 
 if __name__ == "__main__":

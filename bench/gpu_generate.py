@@ -89,6 +89,7 @@ def filled(model, lengths: list[int], steps: int, dtype):
 PIPELINED = False  # --pipelined
 SYNC = False  # --sync
 POOL_SCALE = 1  # --pool-scale: a pool this many times what the rows need (a copied layer shows in the peak)
+QUEUED: list[float] = []  # --pipelined: seconds each step's mx.async_eval took (apart from the host time)
 
 
 def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, list[int]]:
@@ -96,7 +97,8 @@ def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, 
 
     Default: each step's graph is built, then evaluated. ``PIPELINED``: as mlx-lm's
     ``generate_step``, step n+1's graph is built (and queued with ``mx.async_eval``)
-    while step n runs on the GPU, and the host then reads step n's tokens."""
+    while step n runs on the GPU, and the host then reads step n's tokens; the host time
+    is then the building alone, and the ``mx.async_eval`` that queues it goes to ``QUEUED``."""
     tok = first
     host = []
     mx.synchronize()
@@ -104,11 +106,14 @@ def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, 
     if PIPELINED:
         tok = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
         mx.async_eval(tok)
+        QUEUED.clear()
         for _ in range(steps - 1):
             t = time.perf_counter()
             nxt = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
+            built = time.perf_counter()
             mx.async_eval(nxt)
-            host.append(time.perf_counter() - t)
+            host.append(built - t)
+            QUEUED.append(time.perf_counter() - built)
             tok.tolist()  # the server reads step n's tokens while step n + 1 runs
             tok = nxt
         mx.eval(tok)

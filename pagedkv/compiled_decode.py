@@ -12,8 +12,9 @@ in two:
       positions, undo records                RoPE at `positions`, pool.scatter of the
     per table kind: write rows/slots,        step's K/V at (rows, slots), attention
       page table padded to `bucket`          through the decode kernel (GPU) or the
-      pages, [start, length) per row,        gathered pages (CPU), from these inputs
-      gather index                         pool arrays: the compiled state, written
+      pages, [start, length) per row         pages gathered by the table (CPU), from
+                                             these inputs
+                                           pool arrays: the compiled state, written
                                              back into the pool's own lists
 
 Everything that varies per step is an input, so the trace is reused until the batch
@@ -74,14 +75,14 @@ class _StepLayer:
         return keys, values  # unused: attention is routed to ``attend``
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
-        _, _, table, lengths, starts, index = self.owner._inputs[1][self.spec]
+        _, _, table, lengths, starts = self.owner._inputs[1][self.spec]
         pool = self.pool
         if pool.kind.decode_kernel and paged_decode.fits(queries, pool.num_kv_heads, pool.dtype):
             return paged_decode.paged_decode(queries, *pool.layer_arrays(self.pool_layer), table, lengths, starts,
                                              scale, num_pages=pool.num_pages, page_size=pool.page_size)
         b, width = table.shape
         keys = width * pool.page_size
-        k_parts, v_parts = pool.gather(self.pool_layer, index, 0, keys, rows=b, track=False)
+        k_parts, v_parts = pool.gather(self.pool_layer, pool.gather_index(table), 0, keys, rows=b, track=False)
         col = mx.arange(keys, dtype=mx.int32)[None]
         visible = ((col >= starts[:, None]) & (col < lengths[:, None]))[:, None, None, :]
         return attend_parts(queries, k_parts, v_parts, scale, visible, pool.kind)
@@ -112,7 +113,7 @@ class CompiledDecode:
 
     def _step(self, tokens: mx.array, positions: mx.array, *flat: mx.array) -> mx.array:
         self.traces += 1  # Python runs here only while tracing
-        self._inputs = (positions, [flat[i : i + 6] for i in range(0, len(flat), 6)])
+        self._inputs = (positions, [flat[i : i + 5] for i in range(0, len(flat), 5)])
         try:
             return self.model(tokens, cache=self._layers)
         finally:
@@ -143,7 +144,7 @@ class CompiledDecode:
                 layer = rows.layers_of(spec)[0]
                 lo, hi = rows.visible_range(layer)
                 read = PageRead.of(config.pool, rows.tables(spec), lo, hi, bucket=self.bucket)
-                flat += [*rows.write_index(spec, start, 1), read.table, *read.kernel_ranges(), read.index]
+                flat += [*rows.write_index(spec, start, 1), read.table, *read.kernel_ranges()]
             logits = self._compiled(tokens, rows.position_array(start), *flat)
         except BaseException:
             for arrs, kept in arrays:

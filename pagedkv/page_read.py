@@ -43,8 +43,8 @@ class PageRead:
     key_base: np.ndarray  # int64 [B]: key position of each row's first gathered column
     width: int  # gathered tokens per row (a multiple of the page size)
     table: mx.array  # int32 [B, width / page_size] page ids, null-padded
-    index: mx.array  # int32 take-indices into the layer arrays (PagePool.gather_index)
     _kernel_ranges: list = attrs.field(factory=list, eq=False, repr=False)  # made once, for every layer
+    _index: list = attrs.field(factory=list, eq=False, repr=False)  # the gather index, made once if needed
 
     @classmethod
     def of(cls, pool: PagePool, tables: Sequence[PageTable], lo: np.ndarray, hi: np.ndarray,
@@ -56,13 +56,20 @@ class PageRead:
         first, stop, width = page_span(lo, hi, ps)
         width = -(-width // bucket) * bucket
         rows = [t.page_ids(f, e) for t, f, e in zip(tables, first, stop)]
-        snapshot, index = pool.gather_index(rows, width)
-        return cls(pool, lo, hi, np.concatenate(rows), first * ps, width * ps,
-                   mx.array(snapshot.astype(np.int32)), index)
+        table = pool.page_table(rows, width)
+        return cls(pool, lo, hi, np.concatenate(rows), first * ps, width * ps, mx.array(table.astype(np.int32)))
 
     @property
     def num_rows(self) -> int:
         return self.lo.shape[0]
+
+    @property
+    def index(self) -> mx.array:
+        """The take-indices ``parts`` gathers with (``PagePool.gather_index`` of the
+        table), made on first use for every layer: the kernels read the table alone."""
+        if not self._index:
+            self._index.append(self.pool.gather_index(self.table))
+        return self._index[0]
 
     def parts(self, layer: int, exact: bool):
         """The gathered K and V components of pool layer ``layer`` (packed pages stay

@@ -149,6 +149,7 @@ class PagePool:
         self._v = [arrays(self.v_codec, self.v_head_dim) for _ in range(self.num_layers)]
         mx.eval(self._k, self._v)
         self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.num_pages
+        self._head_base_rows = mx.array(self._head_base.astype(np.int32))  # (as gather_index adds it)
         self._writes = InPlaceWrites(self.num_layers, sync_before_rewrite)  # one group per layer
         if cache_limit is not None:
             raise_cache_limit(cache_limit)
@@ -185,19 +186,21 @@ class PagePool:
         """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
         return self._head_base + pages[None, :]
 
-    def gather_index(self, rows: Sequence[np.ndarray], width: int = 0) -> tuple[np.ndarray, mx.array]:
-        """Read indices for one or more sequences' pages (each row's pages in order).
-
-        Returns (table int64 [len(rows), width] of page ids, padded with the null page,
-        and flat int32 take-indices [len(rows) * kv_heads * width] for ``gather``);
-        ``width`` is the widest row's page count, or the given one if that is larger.
-        """
+    def page_table(self, rows: Sequence[np.ndarray], width: int = 0) -> np.ndarray:
+        """int64 [len(rows), width] page ids of one or more sequences (each row's pages
+        in order), padded with the null page; ``width`` is the widest row's page count,
+        or the given one if that is larger. O(rows * width) on the host."""
         width = max(width, max(r.size for r in rows))
         table = np.full((len(rows), width), self.null_page, dtype=np.int64)
         for b, r in enumerate(rows):
             table[b, : r.size] = r
-        index = (self._head_base[None] + table[:, None, :]).reshape(-1).astype(np.int32)
-        return table, mx.array(index)
+        return table
+
+    def gather_index(self, table: mx.array) -> mx.array:
+        """Flat int32 take-indices [B * kv_heads * width] into a layer array for
+        ``gather``, from ``table`` (int32 [B, width] page ids, ``page_table``). Lazy, on
+        the device: no host work, and inside a compiled step it is part of the trace."""
+        return (self._head_base_rows[None] + table[:, None, :]).reshape(-1)
 
     # ------------------------------------------------------------------ read / write
     def check_kv(self, keys: mx.array, values: mx.array, rows: int | None = None) -> int:

@@ -22,7 +22,9 @@ one after another, so the row set makes the step atomic:
 - the first layer of a step (it writes past its tables' ends) reserves the step's pages
   in every table standing at the same positions, in every spec, after checking that
   each pool has the pages for all of them; a full pool raises ``PoolExhausted`` before
-  any layer has written. Tables keep ``UndoRecord``s while the step is open;
+  any layer has written. Each spec's plain appends are one ``BatchAppend`` (one
+  allocation for all its rows); a row that must copy its last page first, or drops
+  pages behind a window, keeps an ``UndoRecord`` instead, while the step is open;
 - a later layer whose input is bad rolls the step back: every layer that wrote it
   returns to its position and every table to its pages, reference counts and free-list
   order included. Closing the step (all its layers wrote, or anything else happens to
@@ -50,6 +52,7 @@ and gather; the first layer of a step adds O(B · pages of the step) for the ind
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import attrs
@@ -70,7 +73,7 @@ from pagedkv.pool import PagePool
 from pagedkv.row_states import RowStates
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.state_pool import StatePool
-from pagedkv.table import PageTable
+from pagedkv.table import BatchAppend, PageTable
 from pagedkv.view import KvAttentionView
 from pagedkv.visibility import range_mask, window_start
 
@@ -167,9 +170,10 @@ class RowSet:
         self._released = False
         self._memo: dict = {}
         self._masks: dict[int, mx.array] = {}  # per spec: the last mask ``mask`` made
-        # The open step (none while the journal is empty): the tables it grew with their
-        # UndoRecords, in reservation order; the specs it grew; where it started; each
-        # written layer's positions before it; how many layers write it in all.
+        # The open step (none while the journal is empty): (commit, undo) of each change
+        # it made to the tables (a BatchAppend, or one table's UndoRecord), in order; the
+        # specs it grew; where it started; each written layer's positions before it; how
+        # many layers write it in all.
         self._journal: list = []
         self._step_specs: set[int] = set()
         self._step_from = np.zeros(0, dtype=np.int64)
@@ -390,14 +394,15 @@ class RowSet:
             raise KvShapeError("layers stand at different positions; a reserved step moves them together")
         if any(t.num_tokens != p for ts in self._tables for t, p in zip(ts, start.tolist())):
             raise NotSupportedError("a reserved step appends: the page tables must end where the layers stand")
+        offsets, starts = self.offsets.copy(), self.step_starts.copy()
         try:
-            for layer in range(self.layout.num_layers):
-                self._prepare(layer, start, count)
-                self.offsets[layer] = start + count
-                self.step_starts[layer] = start
+            self._open_step(start, count)  # every spec grows: its tables end at ``start``
         except BaseException:
             self._abort_step()
             raise
+        self._saved = {layer: (offsets[layer], starts[layer]) for layer in range(self.layout.num_layers)}
+        self.offsets[:] = start + count
+        self.step_starts[:] = start
         return start
 
     def finish_reserved(self, ok: bool) -> None:
@@ -487,17 +492,18 @@ class RowSet:
         if layer not in self._saved:  # a layer of the open step: saved for rollback
             self._saved[layer] = (self.offsets[layer].copy(), self.step_starts[layer].copy())
 
-    def _check_pages(self, needs: list[tuple[PageTable, int]]) -> None:
+    def _check_pages(self, needs: list[tuple[PagePool, int]]) -> None:
+        """``PoolExhausted`` unless every pool has the pages asked of it in all."""
         by_pool: dict[int, list] = {}
-        for t, need in needs:
-            by_pool.setdefault(id(t.pool), [t.pool, 0])[1] += need
+        for pool, need in needs:
+            by_pool.setdefault(id(pool), [pool, 0])[1] += need
         for pool, need in by_pool.values():
             available = pool.allocator.num_available()
             if need > available:
                 raise PoolExhausted(need, available)
 
     def _rewrite(self, tables: list[PageTable], start: np.ndarray, count: int) -> None:
-        self._check_pages([(t, t.pages_needed(count, start=int(s))) for t, s in zip(tables, start)])
+        self._check_pages([(t.pool, t.pages_needed(count, start=int(s))) for t, s in zip(tables, start)])
         self._close_step()
         for t, s in zip(tables, start):  # cannot run out now
             t.prepare_write(int(s), count)
@@ -507,8 +513,21 @@ class RowSet:
         self._close_step()  # a step some layers never finished stands as it is
         growing = [s for s, ts in enumerate(self._tables)
                    if all(t.num_tokens == p for t, p in zip(ts, start))]
-        plans = [(t, t.plan_write(t.num_tokens, count)) for s in growing for t in self._tables[s]]
-        self._check_pages([(t, need + cow.size) for t, (need, cow) in plans])
+        # per spec: one vectorised append for all its tables (the decode step), or a
+        # plan per table where a page must be copied first or a window drops pages
+        plans: list = []
+        needs: list[tuple[PagePool, int]] = []
+        for s in growing:
+            batch = BatchAppend.plan(self._tables[s], count)
+            if batch is not None:
+                plans.append(batch)
+                needs.append((batch.pool, batch.num_new_pages))
+                continue
+            for t in self._tables[s]:
+                plan = t.plan_write(t.num_tokens, count)
+                plans.append((t, plan))
+                needs.append((t.pool, plan[0] + plan[1].size))
+        self._check_pages(needs)
         if self.states is not None:
             if (self.states.tokens != start).any():
                 raise KvShapeError(f"the recurrent layers stand at {self.states.tokens.tolist()}, the step at "
@@ -518,10 +537,15 @@ class RowSet:
             if need > available:
                 raise PoolExhausted(need, available)
             self.states.reserve(moving)
-        for t, plan in plans:  # cannot run out now: every pool was checked for all its tables
+        for plan in plans:  # cannot run out now: every pool was checked for all its tables
+            if isinstance(plan, BatchAppend):
+                plan.apply()
+                self._journal.append((plan.commit, plan.undo))
+                continue
+            t, plan = plan
             records: list = []
             t.prepare_write(int(t.num_tokens), count, undo=records, plan=plan)
-            self._journal.append((t, records[0]))
+            self._journal.append((functools.partial(t.commit, records[0]), functools.partial(t.undo, records[0])))
         self._step_specs = set(growing)
         self._step_from = start.copy()
         self._step_count = count
@@ -530,8 +554,8 @@ class RowSet:
 
     def _close_step(self) -> None:
         """The step stands: tables give up the pages they copied away from or dropped."""
-        for table, record in self._journal:
-            table.commit(record)
+        for commit, _ in self._journal:
+            commit()
         if self.states is not None:
             self.states.commit()
         self._forget_step()
@@ -549,8 +573,8 @@ class RowSet:
         """Undo the open step: layers, tables and state slots exactly as before it."""
         for saved, (offsets, starts) in self._saved.items():
             self.offsets[saved], self.step_starts[saved] = offsets, starts
-        for table, record in reversed(self._journal):  # the free list's order returns too
-            table.undo(record)
+        for _, undo in reversed(self._journal):  # the free list's order returns too
+            undo()
         if self.states is not None:  # (reserved before the tables' pages)
             self.states.discard()
         self._forget_step()

@@ -192,3 +192,34 @@ def test_batch_memory_is_the_sum_of_rows_not_b_times_the_longest():
     assert pages < len(lengths) * -(-max(lengths) // 16) / 2
     assert np.array_equal(batch.rows.offsets[0], lengths)
     batch.release()
+
+
+def test_a_row_and_its_fork_decoded_in_one_batch_copy_their_shared_page_and_match_alone():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=64)
+    prompt = prompt_of(6, seed=7)  # the last page is partial: both rows write into it
+    cache = make_paged_cache(model, pool)
+    model(mx.array(prompt)[None], cache=cache)
+    batch = PagedBatch.for_model(model, pool)
+    batch.extend(cache.fork())
+    batch.extend(cache)
+    shared_page = int(batch.tables(0)[0].pages[1])
+    before = pool.read_pages([shared_page])
+    logits = [model(mx.array([[t0], [t1]]), cache=batch.caches)[:, -1] for t0, t1 in ((3, 5), (7, 11))]
+    mx.eval(logits)
+    rows = [batch.tables(r)[0] for r in (0, 1)]
+    assert rows[0].pages[0] == rows[1].pages[0] and rows[0].pages[1] != rows[1].pages[1]  # copied on write
+    # both rows copied it (the open step keeps the original until it closes); now it is free
+    assert pool.allocator.refcount(shared_page) == 0
+    for r in (0, 1):  # each row kept the prompt's two keys and values of that page
+        after = pool.read_pages([int(rows[r].pages[1])])
+        for name, a in before.items():
+            np.testing.assert_array_equal(after[name][:, :, :2], a[:, :, :2])
+    for r, new in enumerate(((3, 7), (5, 11))):
+        with make_paged_cache(model, make_pool("llama", page_size=4)) as alone:
+            model(mx.array(prompt)[None], cache=alone)
+            want = [model(mx.array([[t]]), cache=alone)[0, -1] for t in new]
+            for got, ref in zip(logits, want):
+                assert mx.abs(got[r] - ref).max().item() <= LOGITS_ATOL
+    batch.release()
+    assert pool.allocator.num_in_use() == 0

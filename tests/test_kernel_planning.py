@@ -49,3 +49,16 @@ def test_any_batch_and_width_needs_one_of_a_few_shared_memory_sizes():
             sizes.add(shared_pages(pps))
             assert shared_pages(pps) >= pps
     assert sizes <= {64, 128, 256, 512, 1024, 2048} and len(sizes) <= 6
+
+
+@pytest.mark.parametrize("dtype, fits", [("float16", True), ("bfloat16", True), ("float32", False)])
+def test_the_prefill_kernel_claims_only_queries_it_can_run(monkeypatch, dtype, fits):
+    import mlx.core as mx
+
+    from pagedkv.kernels import paged_decode, paged_prefill
+
+    monkeypatch.setattr(paged_decode, "available", lambda: True)  # the GPU check alone
+    q = mx.zeros((1, 4, 8, 64), dtype=getattr(mx, dtype))
+    assert paged_prefill.fits(q, 2, q.dtype) is fits
+    assert not paged_prefill.fits(q[:, :, :1], 2, q.dtype)  # one query: the decode kernel's
+    assert not paged_prefill.fits(mx.zeros((1, 4, 8, 96), dtype=q.dtype), 2, q.dtype)

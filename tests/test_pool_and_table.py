@@ -15,6 +15,7 @@ from pagedkv import (
     PoolExhausted,
     ReleasedError,
 )
+from pagedkv.table import BatchAppend
 
 H, D = 2, 32
 
@@ -257,3 +258,66 @@ def test_a_caller_holding_an_unevaluated_read_does_not_make_writes_copy():
         held.append(cache.update_and_fetch(k, k))  # never evaluated by the caller
     mx.eval(held)
     assert mx.get_peak_memory() - base < pool.nbytes / 4
+
+
+def tables_at(pool, lengths):
+    """Tables holding ``lengths`` tokens each (pages allocated, nothing written)."""
+    tables = []
+    for n in lengths:
+        t = PageTable(pool)
+        if n:
+            t.prepare_write(0, n)
+            t.num_tokens = n
+        tables.append(t)
+    return tables
+
+
+def test_a_batch_append_gives_every_table_the_pages_of_its_own_append_and_undo_puts_all_back():
+    lengths = [3, 4, 0, 8, 5]  # partial page, page boundary, empty, boundary, partial
+    pool, twin = pool_of(num_pages=32), pool_of(num_pages=32)
+    tables, alone = tables_at(pool, lengths), tables_at(twin, lengths)
+    alloc = pool.allocator
+
+    def held():  # (counters such as pages_allocated keep counting through an undo)
+        return [t.pages.tolist() for t in tables], alloc._free_ids().tolist(), alloc.num_in_use(), alloc.num_free()
+
+    before = held()
+    batch = BatchAppend.plan(tables, 1)
+    assert batch is not None and batch.num_new_pages == 3
+    batch.apply()
+    for t in alone:  # the per-table path on an identical pool
+        t.prepare_write(t.num_tokens, 1)
+        t.num_tokens += 1
+    assert [t.pages.tolist() for t in tables] == [t.pages.tolist() for t in alone]
+    assert [t.num_tokens for t in tables] == [n + 1 for n in lengths]
+    batch.undo()
+    assert held() == before and [t.num_tokens for t in tables] == lengths
+    alloc.check()
+
+
+def test_a_batch_append_that_cannot_get_its_pages_changes_nothing():
+    pool = pool_of(num_pages=4)  # the null page and 3 pages
+    tables = tables_at(pool, [4, 4, 4])
+    before = ([t.pages.tolist() for t in tables], pool.allocator.stats())
+    batch = BatchAppend.plan(tables, 1)
+    with pytest.raises(PoolExhausted):
+        batch.apply()
+    assert ([t.pages.tolist() for t in tables], pool.allocator.stats()) == before  # counters too
+    assert [t.num_tokens for t in tables] == [4, 4, 4]
+
+
+def test_a_batch_append_leaves_shared_windowed_and_mixed_tables_to_the_per_table_path():
+    pool, other = pool_of(), pool_of()
+    forked = tables_at(pool, [6])
+    assert BatchAppend.plan(forked + [forked[0].fork()], 1) is None  # the partial page needs a copy
+    assert BatchAppend.plan(tables_at(pool, [6, 4]), 1) is not None
+    cached = tables_at(pool, [6])
+    pool.allocator.set_cacheable([int(cached[0].pages[1])])
+    assert BatchAppend.plan(cached, 1) is None  # a prefix cache keeps that page's content
+    assert BatchAppend.plan(tables_at(pool, [8]), 1) is not None  # a full cached page needs no copy
+    assert BatchAppend.plan([PageTable(pool, window=8)], 1) is None
+    assert BatchAppend.plan(tables_at(pool, [2]) + tables_at(other, [2]), 1) is None
+    released = tables_at(pool, [2])
+    released[0].release()
+    assert BatchAppend.plan(released, 1) is None
+    assert BatchAppend.plan([], 1) is None

@@ -41,6 +41,7 @@ _CUDA = sections(Path(__file__).with_suffix(".cu"))
 _DECODE = sections(Path(paged_decode.__file__).with_suffix(".cu"))
 WARPS = 4            # warps per block
 HEAD_DIMS = (64, 128)
+DTYPES = (mx.float16, mx.bfloat16)
 
 
 @attrs.frozen
@@ -82,7 +83,7 @@ _KERNELS: dict[tuple[int, Tiling], object] = {}
 def fits(q: mx.array, num_kv_heads: int, dtype: mx.Dtype) -> bool:
     """Whether these queries (several per row, the pool's dtype, a supported head size)
     can run on the prefill kernel here."""
-    return (q.shape[2] > 1 and q.dtype == dtype and q.shape[3] in HEAD_DIMS
+    return (q.shape[2] > 1 and q.dtype == dtype and dtype in DTYPES and q.shape[3] in HEAD_DIMS
             and q.shape[1] % num_kv_heads == 0 and paged_decode.available())
 
 
@@ -119,7 +120,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     """
     b, hq, lq, d = q.shape
     hkv = k_pool.shape[0] // num_pages
-    if hq % hkv or d not in HEAD_DIMS or k_pool.dtype not in (mx.float16, mx.bfloat16) or q.dtype != k_pool.dtype:
+    if hq % hkv or d not in HEAD_DIMS or k_pool.dtype not in DTYPES or q.dtype != k_pool.dtype:
         raise ValueError(f"unsupported shape/dtype: Hq={hq}, Hkv={hkv}, D={d}, {q.dtype} over {k_pool.dtype}")
     if window is not None and window < 1:
         raise ValueError(f"window must be positive, got {window}")
