@@ -1,7 +1,8 @@
 """``CompiledDecode`` (a PagedBatch's decode step under ``mx.compile``) on the GPU.
 
     python3 bench/gpu_compiled_step.py [--model 1b|8b] [--batches 8,32] [--contexts 1024,4096]
-                                       [--steps 32] [--bucket 64] [--pipelined]
+                                       [--lengths equal,ragged] [--steps 32] [--bucket 64] [--pipelined]
+                                       [--pool-scale 1]
 
 Issue 15: ``mx.compile`` of the paged decode step, with the figure either way. Same model
 (random weights in mlx-lm's llama class, fp16) and rows for every side, in one run:
@@ -112,8 +113,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--bucket", type=int, default=64)
     ap.add_argument("--pipelined", action="store_true", help="as gpu_generate.py --pipelined")
+    ap.add_argument("--pool-scale", type=int, default=1, help="as gpu_generate.py --pool-scale")
+    ap.add_argument("--lengths", default="equal",
+                    help="equal and/or ragged (comma-separated): ragged rows hold ctx/8..ctx tokens, "
+                         "as in gpu_generate.py")
     args = ap.parse_args()
-    gpu_generate.PIPELINED = args.pipelined
+    gpu_generate.PIPELINED, gpu_generate.POOL_SCALE = args.pipelined, args.pool_scale
     if not paged_decode.available():
         raise SystemExit("needs MLX on a CUDA GPU")
     dtype = mx.float16
@@ -121,18 +126,24 @@ def main() -> None:
     print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, float16, {args.steps} greedy "
           f"steps{', pipelined' if args.pipelined else ''}, table bucket {args.bucket} pages; "
           f"tok/s (host ms per step)", flush=True)
-    print(f"{'B':>3} {'context':>7} {'mlx-lm':>16} {'pagedkv':>16} {'compiled':>16} {'compiled/pagedkv':>17} "
-          f"{'compiled/mlx-lm':>16} {'traces':>7} {'peak +MiB':>10} {'same last token':>16}", flush=True)
+    print(f"{'B':>3} {'context':>7} {'lengths':>7} {'mlx-lm':>16} {'pagedkv':>16} {'compiled':>16} "
+          f"{'compiled/pagedkv':>17} {'compiled/mlx-lm':>16} {'traces':>7} {'peak +MiB':>10} "
+          f"{'same last token':>16}", flush=True)
+    rng = np.random.default_rng(0)
     for ctx in [int(x) for x in args.contexts.split(",") if x]:
         for b in [int(x) for x in args.batches.split(",") if x]:
-            r = case(model, [ctx] * b, args.steps, args.bucket, dtype)
-            cells = " ".join(f"{r[k][0]:>8.0f} ({r[k][1] * 1e3:>4.2f})" for k in ("mlx_lm", "pagedkv", "compiled"))
-            print(f"{b:>3} {ctx:>7} {cells} {r['compiled'][0] / r['pagedkv'][0]:>16.2f}x "
-                  f"{r['compiled'][0] / r['mlx_lm'][0]:>15.2f}x {r['traces']:>7} {r['growth']:>10.0f} "
-                  f"{r['same']:>16}", flush=True)
-            if r["queued"]:
-                print("      mx.async_eval ms per step (not in the host time): "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in r["queued"].items()), flush=True)
+            for kind in args.lengths.split(","):
+                if kind == "ragged" and b == 1:
+                    continue
+                lengths = [ctx] * b if kind == "equal" else rng.integers(ctx // 8, ctx + 1, b).tolist()
+                r = case(model, lengths, args.steps, args.bucket, dtype)
+                cells = " ".join(f"{r[k][0]:>8.0f} ({r[k][1] * 1e3:>4.2f})" for k in ("mlx_lm", "pagedkv", "compiled"))
+                print(f"{b:>3} {ctx:>7} {kind:>7} {cells} {r['compiled'][0] / r['pagedkv'][0]:>16.2f}x "
+                      f"{r['compiled'][0] / r['mlx_lm'][0]:>15.2f}x {r['traces']:>7} {r['growth']:>10.0f} "
+                      f"{r['same']:>16}", flush=True)
+                if r["queued"]:
+                    print("      mx.async_eval ms per step (not in the host time): "
+                          + ", ".join(f"{k} {v:.2f}" for k, v in r["queued"].items()), flush=True)
 
 
 if __name__ == "__main__":
