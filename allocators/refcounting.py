@@ -290,6 +290,15 @@ class RefCountingAllocator:
     def refcount(self, page: int) -> int:
         return self._rc[self._page(page)]
 
+    def needs_copy(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Bool per listed page: a writer must copy it before changing it, because
+        another holder references it (count > 1) or a prefix cache keeps its content
+        (cacheable). One vectorised test for a batch of tables' last pages, O(n);
+        ``InvalidPage`` for bad ids. Not part of ``BlockAllocator``: pagedkv asks
+        ``refcount`` and ``is_cacheable`` page by page where an allocator lacks it."""
+        a = self._ids(ids)
+        return (self._refcount[a] > 1) | self._cacheable[a]
+
     def page_state(self, page: int) -> PageState:
         page = self._page(page)
         return PageState.IN_USE if self._rc[page] > 0 else PageState(self._state_b[page])

@@ -43,6 +43,16 @@ def _must_copy(alloc, page: int) -> bool:
     return alloc.refcount(page) > 1 or alloc.is_cacheable(page)
 
 
+def _any_must_copy(alloc, pages: np.ndarray) -> bool:
+    """Whether any of ``pages`` must be copied before a write: one vectorised query
+    where the allocator offers ``needs_copy`` (``RefCountingAllocator``), else
+    ``_must_copy`` page by page. O(len(pages))."""
+    needs_copy = getattr(alloc, "needs_copy", None)
+    if needs_copy is not None:
+        return bool(needs_copy(pages).any())
+    return any(_must_copy(alloc, p) for p in pages.tolist())
+
+
 @attrs.define(slots=True)
 class UndoRecord:
     """What a journaled ``prepare_write`` changed: the table before it, the pages it
@@ -367,10 +377,9 @@ class BatchAppend:
             return None
         partial = np.flatnonzero(span == 1)
         if partial.size:
-            alloc = pool.allocator
-            for i in partial.tolist():
-                if _must_copy(alloc, int(tables[i]._pages[first[i]])):
-                    return None
+            last = np.fromiter((tables[i]._pages[first[i]] for i in partial.tolist()), np.int64, partial.size)
+            if _any_must_copy(pool.allocator, last):
+                return None
         return cls(tables, count, np.maximum(stop - listed, 0), tokens, listed)
 
     @property

@@ -82,3 +82,24 @@ def test_an_allocator_missing_part_of_the_protocol_is_refused():
 
     with pytest.raises(InvalidTypeError, match="BlockAllocator"):
         pool_with(NoPrefixCalls())
+
+
+def test_a_batch_append_over_a_user_allocator_asks_page_by_page_and_still_copies_shared_pages():
+    from pagedkv import PageTable
+    from pagedkv.table import BatchAppend
+
+    alloc = CountingAllocator(32)  # no needs_copy: refcount and is_cacheable per page
+    pool = pool_with(alloc)
+    table = PageTable(pool)
+    table.prepare_write(0, 5)
+    table.num_tokens = 5
+    other = PageTable(pool)
+    other.prepare_write(0, 3)
+    other.num_tokens = 3
+    assert BatchAppend.plan([table, other], 1) is not None
+    assert alloc.calls["refcount"] == 2
+    fork = table.fork()  # the partial page is now shared: the batch path steps aside
+    assert BatchAppend.plan([table, other], 1) is None
+    for t in (table, other, fork):
+        t.release()
+    alloc.check()

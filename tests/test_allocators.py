@@ -322,3 +322,22 @@ def test_the_lru_log_keeps_order_and_stays_bounded_through_many_cache_and_revive
     assert a.evict(5) == order[:5]
     assert sorted(a.allocate_page() for _ in range(5)) == sorted(order[:5])  # the freed pages
     a.check()
+
+
+def test_needs_copy_is_true_exactly_for_shared_or_cacheable_pages(make):
+    a = make(8)
+    pages = a.allocate(4)
+    a.incref([int(pages[1])])  # shared
+    a.set_cacheable([int(pages[2])])  # kept for a prefix cache
+    got = a.needs_copy(pages)
+    assert got.tolist() == [False, True, True, False]
+    assert got.tolist() == [a.refcount(int(p)) > 1 or a.is_cacheable(int(p)) for p in pages]
+    assert a.needs_copy([]).tolist() == []
+    before = snapshot(a)
+    for bad in ([8], [-1], [int(pages[0]), 99]):
+        with pytest.raises(InvalidPage):
+            a.needs_copy(bad)
+    with pytest.raises(TypeError):
+        a.needs_copy([1.5])
+    assert snapshot(a) == before
+    a.check()
