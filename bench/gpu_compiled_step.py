@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,39 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_generate  # noqa: E402
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from gpu_generate import SHAPES, filled, generate, model_of  # noqa: E402
+from gpu_generate import SHAPES, filled, generate, model_of, run_steps  # noqa: E402
 
 from pagedkv import CompiledDecode  # noqa: E402
 from pagedkv.kernels import paged_decode  # noqa: E402
-
-
-def generate_compiled(step: CompiledDecode, first: mx.array, steps: int):
-    """``gpu_generate.generate`` for a compiled step (serial, or ``--pipelined``)."""
-    tok, host = first, []
-    mx.synchronize()
-    t0 = time.perf_counter()
-    if gpu_generate.PIPELINED:
-        tok = mx.argmax(step(tok)[:, -1], axis=-1)[:, None]
-        mx.async_eval(tok)
-        gpu_generate.QUEUED.clear()
-        for _ in range(steps - 1):
-            t = time.perf_counter()
-            nxt = mx.argmax(step(tok)[:, -1], axis=-1)[:, None]
-            built = time.perf_counter()
-            mx.async_eval(nxt)
-            host.append(built - t)
-            gpu_generate.QUEUED.append(time.perf_counter() - built)
-            tok.tolist()
-            tok = nxt
-        mx.eval(tok)
-    else:
-        for _ in range(steps):
-            t = time.perf_counter()
-            tok = mx.argmax(step(tok)[:, -1], axis=-1)[:, None]
-            host.append(time.perf_counter() - t)
-            mx.eval(tok)
-    mx.synchronize()
-    return time.perf_counter() - t0, statistics.median(host), tok[:, 0].tolist()
 
 
 def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
@@ -89,13 +59,13 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     batch.release()
     del ref, batch
     step = CompiledDecode(model, twin, bucket=bucket)
-    generate_compiled(step, first, 2)  # warm-up: trace (int32 tokens, then argmax's uint32)
+    run_steps(step, first, 2)  # warm-up: trace (int32 tokens, then argmax's uint32)
     for c in twin.caches:
         c.trim(2)
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
-    t, host, toks = generate_compiled(step, first, steps)
+    t, host, toks = run_steps(step, first, steps)
     out["compiled"], queued["compiled"] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
     out["queued"] = {k: statistics.median(v) * 1e3 for k, v in queued.items() if v}
     out["traces"] = step.traces

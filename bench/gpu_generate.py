@@ -93,7 +93,13 @@ QUEUED: list[float] = []  # --pipelined: seconds each step's mx.async_eval took 
 
 
 def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, list[int]]:
-    """(seconds for ``steps`` greedy steps, median host seconds per step, last tokens).
+    """``run_steps`` of ``model`` over ``caches``."""
+    return run_steps(lambda tok: model(tok, cache=caches), first, steps)
+
+
+def run_steps(forward, first: mx.array, steps: int) -> tuple[float, float, list[int]]:
+    """``steps`` greedy steps of ``forward`` (tokens [B, 1] -> logits [B, 1, vocab]):
+    (seconds, median host seconds per step, last tokens).
 
     Default: each step's graph is built, then evaluated. ``PIPELINED``: as mlx-lm's
     ``generate_step``, step n+1's graph is built (and queued with ``mx.async_eval``)
@@ -104,12 +110,12 @@ def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, 
     mx.synchronize()
     t0 = time.perf_counter()
     if PIPELINED:
-        tok = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
+        tok = mx.argmax(forward(tok)[:, -1], axis=-1)[:, None]
         mx.async_eval(tok)
         QUEUED.clear()
         for _ in range(steps - 1):
             t = time.perf_counter()
-            nxt = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
+            nxt = mx.argmax(forward(tok)[:, -1], axis=-1)[:, None]
             built = time.perf_counter()
             mx.async_eval(nxt)
             host.append(built - t)
@@ -120,7 +126,7 @@ def generate(model, caches, first: mx.array, steps: int) -> tuple[float, float, 
     else:
         for _ in range(steps):
             t = time.perf_counter()
-            tok = mx.argmax(model(tok, cache=caches)[:, -1], axis=-1)[:, None]
+            tok = mx.argmax(forward(tok)[:, -1], axis=-1)[:, None]
             host.append(time.perf_counter() - t)
             mx.eval(tok)
     mx.synchronize()
