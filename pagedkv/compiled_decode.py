@@ -12,10 +12,16 @@ in two:
       positions, undo records                RoPE at `positions`, pool.scatter of the
     per table kind: write rows/slots,        step's K/V at (rows, slots), attention
       page table padded to `bucket`          through the decode kernel (GPU) or the
-      pages, [start, length) per row         pages gathered by the table (CPU), from
-                                             these inputs
-                                           pool arrays: the compiled state, written
+      pages (PaddedPageTable: only the       pages gathered by the table (CPU), from
+      rows that grew are rebuilt),           these inputs
+      [start, length) per row              pool arrays: the compiled state, written
                                              back into the pool's own lists
+
+The per-row vectors travel as one int32 array, ``vectors`` [1 + sum(kv_heads + 3), B]
+(positions; then per table kind: write rows [kv_heads], slots, lengths, starts), and
+each table kind's page table as its own [B, width] input, so a step makes 1 + kinds
+MLX arrays on the host (each copy to the device costs tens of microseconds) and the
+table shapes tell the traces apart.
 
 Everything that varies per step is an input, so the trace is reused until the batch
 size, the token dtype or a table's bucketed width changes (``traces`` counts them).
@@ -31,19 +37,22 @@ hybrid (recurrent) models or sliding windows (``PagedBatch.for_model`` refuses t
 nor KV-sharing ``DonorCache`` layers: ``NotSupportedError``.
 
 Ownership: the batch keeps its rows; this object holds the model, the batch and the
-traces. Costs per step on the host: the reservation (O(B)) and O(B * width) index
-building per table kind, no graph building after the first trace.
+traces. Costs per step on the host: the reservation (O(B)), O(B) index building
+plus O(width) per row that grew a page, per table kind; no graph building after the
+first trace.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from pagedkv.attention import attend_parts
 from pagedkv.attention_routing import route_attention
 from pagedkv.batch import PagedBatch
 from pagedkv.errors import InvalidTypeError, KvShapeError, NotSupportedError, check_int
 from pagedkv.kernels import paged_decode
+from pagedkv.padded_page_table import PaddedPageTable
 from pagedkv.page_read import PageRead
 
 
@@ -61,7 +70,7 @@ class _StepLayer:
 
     @property
     def offset(self) -> mx.array:
-        return self.owner._inputs[0]
+        return self.owner._inputs[0][0]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None  # one query per row: its range says it all
@@ -108,12 +117,21 @@ class CompiledDecode:
         self._pools = pools
         self._state = [pool.compile_state() for pool in pools]
         self._inputs: tuple = ()
+        # per spec: the step's padded page table, kept from step to step (the rows that
+        # grew a page are rebuilt; a step that fails leaves it checking, not wrong)
+        self._padded = [PaddedPageTable(spec.pool.null_page) for spec in layout.specs]
         self.traces = 0
         self._compiled = mx.compile(self._step, inputs=self._state, outputs=self._state)
 
-    def _step(self, tokens: mx.array, positions: mx.array, *flat: mx.array) -> mx.array:
+    def _step(self, tokens: mx.array, vectors: mx.array, *tables: mx.array) -> mx.array:
         self.traces += 1  # Python runs here only while tracing
-        self._inputs = (positions, [flat[i : i + 5] for i in range(0, len(flat), 5)])
+        per_spec, at = [], 1
+        for spec, table in zip(self.batch.rows.layout.specs, tables):
+            h = spec.pool.num_kv_heads
+            rows, slots, lengths, starts = vectors[at : at + h], vectors[at + h], vectors[at + h + 1], vectors[at + h + 2]
+            per_spec.append((rows, slots, table, lengths, starts))
+            at += h + 3
+        self._inputs = (vectors, per_spec)
         try:
             return self.model(tokens, cache=self._layers)
         finally:
@@ -139,13 +157,17 @@ class CompiledDecode:
         # the pool's lists as they are: a trace that fails leaves placeholders in them
         arrays = [(arrs, list(arrs)) for state in self._state for part in state for arrs in part]
         try:
-            flat = []
+            vectors, tables = [start.astype(np.int32)[None]], []
             for spec, config in enumerate(rows.layout.specs):
                 layer = rows.layers_of(spec)[0]
                 lo, hi = rows.visible_range(layer)
-                read = PageRead.of(config.pool, rows.tables(spec), lo, hi, bucket=self.bucket)
-                flat += [*rows.write_index(spec, start, 1), read.table, *read.kernel_ranges()]
-            logits = self._compiled(tokens, rows.position_array(start), *flat)
+                read = PageRead.of(config.pool, rows.tables(spec), lo, hi, bucket=self.bucket,
+                                   padded=self._padded[spec])
+                write_rows, slots = rows.write_slots(spec, start, 1)
+                lengths, starts = read.kernel_range_values()
+                vectors += [write_rows, slots[None], lengths[None], starts[None]]
+                tables.append(read.table)
+            logits = self._compiled(tokens, mx.array(np.concatenate(vectors)), *tables)
         except BaseException:
             for arrs, kept in arrays:
                 arrs[:] = kept

@@ -15,8 +15,10 @@ straight from the pool where it applies, else the gathered parts through
 :func:`pagedkv.attention.attend_parts`.
 
 Ownership: a PageRead holds page ids, not references; its owner keeps the pages alive
-(a row set's tables, a view's references). Costs: building O(B + pages); ``parts`` one
-gather of O(B · width) pages; ``mask`` one broadcast.
+(a row set's tables, a view's references). Costs: building O(B) plus O(width) per row
+that changed since the owner's last read (``PaddedPageTable``), and one copy of the
+[B, width] table to MLX; ``parts`` one gather of O(B · width) pages; ``mask`` one
+broadcast.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from pagedkv.attention import attend_parts
 from pagedkv.kernels import paged_decode, paged_prefill
+from pagedkv.padded_page_table import PaddedPageTable
 from pagedkv.pool import PagePool
 from pagedkv.table import PageTable
 from pagedkv.visibility import page_span, range_mask
@@ -39,7 +42,6 @@ class PageRead:
     pool: PagePool
     lo: np.ndarray  # int64 [B]: first token of each row
     hi: np.ndarray  # int64 [B]: one past the last
-    pages: np.ndarray  # every row's own page ids, concatenated (what a holder references)
     key_base: np.ndarray  # int64 [B]: key position of each row's first gathered column
     width: int  # gathered tokens per row (a multiple of the page size)
     table: mx.array  # int32 [B, width / page_size] page ids, null-padded
@@ -48,16 +50,19 @@ class PageRead:
 
     @classmethod
     def of(cls, pool: PagePool, tables: Sequence[PageTable], lo: np.ndarray, hi: np.ndarray,
-           bucket: int = 1) -> PageRead:
+           bucket: int = 1, padded: PaddedPageTable | None = None) -> PageRead:
         """The read of tokens [lo[b], hi[b]) of ``tables``; ``bucket``: the width (in
         pages) is rounded up to a multiple of it (null pages), so reads of growing rows
-        keep one shape for a while (a compiled step is traced once per shape)."""
+        keep one shape for a while (a compiled step is traced once per shape).
+        ``padded``: the reader's ``PaddedPageTable`` from its last read of these rows,
+        so only the rows that changed since are rebuilt (default: a fresh one)."""
         ps = pool.page_size
         first, stop, width = page_span(lo, hi, ps)
         width = -(-width // bucket) * bucket
-        rows = [t.page_ids(f, e) for t, f, e in zip(tables, first, stop)]
-        table = pool.page_table(rows, width)
-        return cls(pool, lo, hi, np.concatenate(rows), first * ps, width * ps, mx.array(table.astype(np.int32)))
+        if padded is None:
+            padded = PaddedPageTable(pool.null_page)
+        host = padded.update(tables, first, stop, width)
+        return cls(pool, lo, hi, first * ps, width * ps, mx.array(host))
 
     @property
     def num_rows(self) -> int:
@@ -110,6 +115,9 @@ class PageRead:
         """The kernels' (lengths, starts): [lo, hi) in gathered columns, made once for
         every layer."""
         if not self._kernel_ranges:
-            self._kernel_ranges.extend((mx.array((self.hi - self.key_base).astype(np.int32)),
-                                        mx.array((self.lo - self.key_base).astype(np.int32))))
+            self._kernel_ranges.extend(map(mx.array, self.kernel_range_values()))
         return self._kernel_ranges
+
+    def kernel_range_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """``kernel_ranges`` on the host: int32 numpy (lengths [B], starts [B])."""
+        return (self.hi - self.key_base).astype(np.int32), (self.lo - self.key_base).astype(np.int32)

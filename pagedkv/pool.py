@@ -186,19 +186,9 @@ class PagePool:
         """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
         return self._head_base + pages[None, :]
 
-    def page_table(self, rows: Sequence[np.ndarray], width: int = 0) -> np.ndarray:
-        """int64 [len(rows), width] page ids of one or more sequences (each row's pages
-        in order), padded with the null page; ``width`` is the widest row's page count,
-        or the given one if that is larger. O(rows * width) on the host."""
-        width = max(width, max(r.size for r in rows))
-        table = np.full((len(rows), width), self.null_page, dtype=np.int64)
-        for b, r in enumerate(rows):
-            table[b, : r.size] = r
-        return table
-
     def gather_index(self, table: mx.array) -> mx.array:
         """Flat int32 take-indices [B * kv_heads * width] into a layer array for
-        ``gather``, from ``table`` (int32 [B, width] page ids, ``page_table``). Lazy, on
+        ``gather``, from ``table`` (int32 [B, width] page ids, ``PageRead.table``). Lazy, on
         the device: no host work, and inside a compiled step it is part of the trace."""
         return (self._head_base_rows[None] + table[:, None, :]).reshape(-1)
 

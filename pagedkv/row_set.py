@@ -68,6 +68,7 @@ from pagedkv.errors import (
     ReleasedError,
     check_int,
 )
+from pagedkv.padded_page_table import PaddedPageTable
 from pagedkv.page_read import PageRead
 from pagedkv.pool import PagePool
 from pagedkv.row_states import RowStates
@@ -169,6 +170,9 @@ class RowSet:
         self._checked_at = -1  # PageTable.releases when every table was last seen alive
         self._released = False
         self._memo: dict = {}
+        # per spec: the padded page table of the last read, kept so the next read
+        # rebuilds only the rows that changed (it checks which itself)
+        self._padded = [PaddedPageTable(spec.pool.null_page) for spec in layout.specs]
         self._masks: dict[int, mx.array] = {}  # per spec: the last mask ``mask`` made
         # The open step (none while the journal is empty): (commit, undo) of each change
         # it made to the tables (a BatchAppend, or one table's UndoRecord), in order; the
@@ -594,18 +598,21 @@ class RowSet:
         key = ("w", spec, start.tobytes(), count)
         hit = self._memo.get(key)
         if hit is None:
-            pool = self.layout.specs[spec].pool
-            ps = pool.page_size
-            pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
-            tables = self._tables[spec]
-            if count == 1:  # a decode step: one page per row, looked up without arrays
-                pages = np.fromiter(map(PageTable.page_at, tables, (start // ps).tolist()), np.int64, len(tables))
-            else:
-                pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(tables, pos)])
-            hit = (mx.array(pool.array_rows(pages).astype(np.int32)),
-                   mx.array((pos.reshape(-1) % ps).astype(np.int32)))
-            self._memo[key] = hit
+            hit = self._memo[key] = tuple(map(mx.array, self.write_slots(spec, start, count)))
         return hit
+
+    def write_slots(self, spec: int, start: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """``write_index`` on the host, not memoised: int32 numpy (rows [kv_heads,
+        B * count], slots [B * count])."""
+        pool = self.layout.specs[spec].pool
+        ps = pool.page_size
+        pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
+        tables = self._tables[spec]
+        if count == 1:  # a decode step: one page per row, looked up without arrays
+            pages = np.fromiter(map(PageTable.page_at, tables, (start // ps).tolist()), np.int64, len(tables))
+        else:
+            pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(tables, pos)])
+        return pool.array_rows(pages).astype(np.int32), (pos.reshape(-1) % ps).astype(np.int32)
 
     def position_array(self, positions: np.ndarray) -> mx.array:
         """``positions`` (int [B]) as an int32 MLX array, memoised by value until the rows
@@ -623,7 +630,8 @@ class RowSet:
         key = ("r", spec, lo.tobytes(), hi.tobytes())
         plan = self._memo.get(key)
         if plan is None:
-            plan = self._memo[key] = PageRead.of(self.layout.specs[spec].pool, self._tables[spec], lo, hi)
+            plan = self._memo[key] = PageRead.of(self.layout.specs[spec].pool, self._tables[spec], lo, hi,
+                                                 padded=self._padded[spec])
         return plan
 
     def read(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None,

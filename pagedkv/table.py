@@ -17,6 +17,9 @@ cache registered is copied first (copy-on-write), so no other holder ever sees t
 write. That covers appends into a shared partial last page and rewrites after a trim.
 
 All mutations are atomic: on ``PoolExhausted`` (or any error) nothing has changed.
+``version`` goes up with every change of the listed page ids (not with a length that
+moves inside a page), so a reader that keeps a copy of them (``PaddedPageTable``)
+rebuilds it only when it changed.
 Costs: ``prepare_write`` O(new pages + pages in the range) plus one page copy per
 shared page; ``trim`` O(pages dropped); ``fork``/``release`` O(pages).
 
@@ -78,6 +81,7 @@ class PageTable:
         self._pages = np.empty(16, dtype=np.int64)
         self._n = 0  # pages listed
         self._dropped = 0  # leading pages replaced by the null page (sliding window)
+        self.version = 0  # bumped by every change of the listed page ids (readers keep copies)
         self.num_tokens = 0
         self._released = False
         self.claimed = False  # True while a cache's RowSet owns this table
@@ -175,6 +179,7 @@ class PageTable:
             self.pool.copy_pages(old, new[: cow.size])
             owed.append(old)
             self._pages[cow] = new[: cow.size]
+            self.version += 1
             new = new[cow.size :]
         self._append(new)
         self.num_tokens = max(self.num_tokens, start + count)
@@ -201,6 +206,7 @@ class PageTable:
         n = record.pages.size
         self._pages[:n] = record.pages
         self._n, self._dropped = n, record.dropped
+        self.version += 1
         self.pool.allocator.decref(record.allocated[::-1].copy())
 
     def adopt(self, pages: Sequence[int], num_tokens: int | None = None) -> None:
@@ -229,6 +235,7 @@ class PageTable:
             self._pages = grown
         self._pages[self._n : self._n + ids.size] = ids
         self._n += ids.size
+        self.version += 1
 
     def _drop_outside_window(self, first_query: int) -> np.ndarray:
         """Replace pages no query from ``first_query`` on can see by the null page;
@@ -243,6 +250,7 @@ class PageTable:
         gone = self._pages[self._dropped : droppable].copy()
         self._pages[self._dropped : droppable] = self.pool.null_page
         self._dropped = droppable
+        self.version += 1
         return gone
 
     def first_visible(self) -> int:
@@ -285,6 +293,7 @@ class PageTable:
         if keep < self._n:
             self.pool.allocator.decref(self._pages[keep : self._n].copy())
             self._n = keep
+            self.version += 1
         self.num_tokens = new_len
         return n
 
@@ -308,6 +317,7 @@ class PageTable:
         self._released = True
         PageTable.releases += 1
         self._n = self._dropped = self.num_tokens = 0
+        self.version += 1
 
     # ------------------------------------------------------------------ page ids
     def page_ids(self, first: int, stop: int) -> np.ndarray:
@@ -407,7 +417,10 @@ class BatchAppend:
 
     def undo(self) -> None:
         for t, n, listed in zip(self.tables, self._tokens.tolist(), self._listed.tolist()):
-            t.num_tokens, t._n = n, listed
+            if t._n != listed:
+                t._n = listed
+                t.version += 1
+            t.num_tokens = n
         if self._new.size:
             self.pool.allocator.decref(self._new[::-1].copy())
             self._new = _NO_PAGES

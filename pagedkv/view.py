@@ -77,8 +77,10 @@ class KvAttentionView:
         self.lengths = list(lengths)  # one past the last
         self._read = PageRead.of(pool, tables, np.array(starts, dtype=np.int64),
                                  np.array(lengths, dtype=np.int64))
-        pool.allocator.incref(self._read.pages)  # the last step that can fail: nothing to undo
-        self._held = self._read.pages
+        ps = pool.page_size
+        held = np.concatenate([t.page_ids(lo // ps, -(-hi // ps)) for t, lo, hi in zip(tables, starts, lengths)])
+        pool.allocator.incref(held)  # the last step that can fail: nothing to undo
+        self._held = held
         self.pool = pool
         self.layer = layer
         self.batch = len(tables)

@@ -321,3 +321,89 @@ def test_a_batch_append_leaves_shared_windowed_and_mixed_tables_to_the_per_table
     released[0].release()
     assert BatchAppend.plan(released, 1) is None
     assert BatchAppend.plan([], 1) is None
+
+
+def _fresh_table(tables, first, stop, width, null):
+    from pagedkv.padded_page_table import PaddedPageTable
+    return PaddedPageTable(null).update(tables, first, stop, width).copy()
+
+
+def test_padded_page_table_follows_every_kind_of_table_change():
+    """The kept table equals a fresh build after appends, copy-on-write, trims, undone
+    writes, window drops, released and replaced rows, and reordered rows."""
+    from pagedkv.padded_page_table import PaddedPageTable
+
+    pool = pool_of(num_pages=64, page_size=4)
+    rng = np.random.default_rng(0)
+    tables = [PageTable(pool) for _ in range(3)] + [PageTable(pool, window=6)]
+    for t in tables:
+        t.prepare_write(0, int(rng.integers(1, 9)))
+    padded = PaddedPageTable(pool.null_page)
+
+    def check():
+        lo = np.array([t.first_visible() for t in tables], dtype=np.int64)
+        hi = np.array([t.num_tokens for t in tables], dtype=np.int64)
+        first, stop = lo // 4, -(-hi // 4)
+        width = int((stop - first).max()) + 1
+        got = padded.update(tables, first, stop, width).copy()
+        np.testing.assert_array_equal(got, _fresh_table(tables, first, stop, width, pool.null_page))
+        for row, t, f, s in zip(got, tables, first, stop):  # and it is what the tables list
+            np.testing.assert_array_equal(row[: s - f], t.pages[f:s])
+
+    check()
+    for step in range(60):
+        i = int(rng.integers(len(tables)))
+        t = tables[i]
+        op = step % 6
+        if op == 0:  # append (maybe a new page)
+            t.prepare_write(t.num_tokens, int(rng.integers(1, 6)))
+        elif op == 1 and t.window is None:  # a fork shares the last page; writing copies it
+            other = t.fork()
+            t.prepare_write(t.num_tokens - 1, 1)
+            other.release()
+        elif op == 2 and t.window is None and t.num_tokens > 1:
+            t.trim(int(rng.integers(1, t.num_tokens)))
+        elif op == 3:  # a journaled write, undone
+            undo = []
+            t.prepare_write(t.num_tokens, 5, undo=undo)
+            check()
+            t.undo(undo[0])
+        elif op == 4 and t.window is None:  # the row leaves; a new table takes its place
+            t.release()
+            tables[i] = PageTable(pool)
+            tables[i].prepare_write(0, int(rng.integers(1, 9)))
+        elif op == 5:
+            tables.reverse()
+        check()
+    for t in tables:
+        t.release()
+
+
+def test_padded_page_table_rebuilds_only_the_rows_that_changed(monkeypatch):
+    from pagedkv.padded_page_table import PaddedPageTable
+
+    pool = pool_of(num_pages=64, page_size=4)
+    tables = [PageTable(pool) for _ in range(4)]
+    for t in tables:
+        t.prepare_write(0, 6)
+    padded = PaddedPageTable(pool.null_page)
+    read = []
+    real = PageTable.page_ids
+    monkeypatch.setattr(PageTable, "page_ids", lambda self, f, s: (read.append(self), real(self, f, s))[1])
+
+    def update():
+        hi = np.array([t.num_tokens for t in tables], dtype=np.int64)
+        padded.update(tables, np.zeros(4, dtype=np.int64), -(-hi // 4), 8)
+
+    update()
+    assert len(read) == 4
+    read.clear()
+    for t in tables:  # tokens into each row's partial page: no page list changes
+        t.prepare_write(t.num_tokens, 1)
+    update()
+    assert read == []
+    tables[2].prepare_write(tables[2].num_tokens, 2)  # row 2 grows a page
+    update()
+    assert read == [tables[2]]
+    for t in tables:
+        t.release()

@@ -21,8 +21,8 @@ def test_one_decode_step_builds_its_read_and_write_indices_once_for_every_layer(
     pool = make_pool("llama", page_size=8)
     built = {"read": 0, "write": 0}
     real_of = PageRead.of.__func__
-    monkeypatch.setattr(PageRead, "of", classmethod(lambda cls, *a: (built.__setitem__("read", built["read"] + 1),
-                                                                      real_of(cls, *a))[1]))
+    monkeypatch.setattr(PageRead, "of", classmethod(lambda cls, *a, **kw: (built.__setitem__("read", built["read"] + 1),
+                                                                            real_of(cls, *a, **kw))[1]))
     real_rows = pool.array_rows
     monkeypatch.setattr(pool, "array_rows", lambda p: (built.__setitem__("write", built["write"] + 1),
                                                        real_rows(p))[1])

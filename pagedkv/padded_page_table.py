@@ -1,0 +1,69 @@
+"""``PaddedPageTable``: the [B, width] page-id table of a list of ``PageTable`` rows,
+kept on the host from one read to the next and rebuilt only where a row changed.
+
+A read of B rows (``PageRead``) needs each row's page ids from its first needed page,
+padded with the null page to one width::
+
+    row b:  [ pages first[b] .. stop[b]-1 of tables[b] | null ... null ]   int32 [B, width]
+
+Building that from scratch is O(B * width) numpy work and O(B) Python calls per step,
+though a decode step changes at most the rows that grew a page (one row in
+``page_size`` per step on average). So the table is kept, and each row remembers what
+it was built from: the table object, its ``version`` (bumped by every change of its
+page list) and its (first, stop). A call compares those for all rows at once and
+rewrites only the rows that differ; a new row count or width rebuilds everything.
+
+Ownership: the host array is this object's and is overwritten by the next call, so a
+caller that keeps the content copies it (``PageRead`` makes an MLX array of it, which
+copies). No page references are held. Costs per call: O(B) comparisons, plus
+O(width) per changed row; O(B * width) after a change of shape.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from pagedkv.table import PageTable
+
+
+class PaddedPageTable:
+    """One reader's padded page-id table (see the module doc); ``null`` pads rows."""
+
+    __slots__ = ("null", "host", "_tables", "_versions", "_first", "_stop")
+
+    def __init__(self, null: int) -> None:
+        self.null = null
+        self.host = np.empty((0, 0), dtype=np.int32)
+        self._tables: list[PageTable] = []
+        self._versions: list[int] = []
+        self._first = self._stop = np.empty(0, dtype=np.int64)
+
+    def update(self, tables: Sequence[PageTable], first: np.ndarray, stop: np.ndarray, width: int) -> np.ndarray:
+        """The table for pages [first[b], stop[b]) of ``tables[b]`` (stop clipped to
+        the listed pages), ``width`` columns; returns ``host`` (see Ownership)."""
+        b = len(tables)
+        versions = [t.version for t in tables]
+        if self.host.shape != (b, width):
+            self.host = np.full((b, width), self.null, dtype=np.int32)
+            changed = range(b)
+        elif versions == self._versions and tables == self._tables:
+            moved = (first != self._first) | (stop != self._stop)
+            changed = np.flatnonzero(moved).tolist() if moved.any() else ()
+        else:
+            moved = (first != self._first) | (stop != self._stop)
+            changed = [i for i, (t, v, p, pv, m) in enumerate(
+                zip(tables, versions, self._tables, self._versions, moved.tolist()))
+                if m or t is not p or v != pv]
+        if changed:
+            host = self.host
+            for i in changed:
+                ids = tables[i].page_ids(int(first[i]), int(stop[i]))
+                n = ids.size
+                host[i, :n] = ids
+                host[i, n:] = self.null
+        self._tables = list(tables)
+        self._versions = versions
+        self._first, self._stop = first, stop
+        return self.host
