@@ -400,7 +400,7 @@ class RowSet:
             raise NotSupportedError("a reserved step appends: the page tables must end where the layers stand")
         offsets, starts = self.offsets.copy(), self.step_starts.copy()
         try:
-            self._open_step(start, count)  # every spec grows: its tables end at ``start``
+            self._open_step(start, count, growing=list(range(len(self._tables))))  # (checked above)
         except BaseException:
             self._abort_step()
             raise
@@ -513,16 +513,17 @@ class RowSet:
             t.prepare_write(int(s), count)
         self._changed()
 
-    def _open_step(self, start: np.ndarray, count: int) -> None:
+    def _open_step(self, start: np.ndarray, count: int, growing: list[int] | None = None) -> None:
         self._close_step()  # a step some layers never finished stands as it is
-        growing = [s for s, ts in enumerate(self._tables)
-                   if all(t.num_tokens == p for t, p in zip(ts, start))]
+        if growing is None:  # the specs whose tables end at ``start`` (the caller may know)
+            growing = [s for s, ts in enumerate(self._tables)
+                       if all(t.num_tokens == p for t, p in zip(ts, start.tolist()))]
         # per spec: one vectorised append for all its tables (the decode step), or a
         # plan per table where a page must be copied first or a window drops pages
         plans: list = []
         needs: list[tuple[PagePool, int]] = []
         for s in growing:
-            batch = BatchAppend.plan(self._tables[s], count)
+            batch = BatchAppend.plan(self._tables[s], count, tokens=start)
             if batch is not None:
                 plans.append(batch)
                 needs.append((batch.pool, batch.num_new_pages))

@@ -370,7 +370,8 @@ class BatchAppend:
         self._new = _NO_PAGES
 
     @classmethod
-    def plan(cls, tables: list[PageTable], count: int) -> BatchAppend | None:
+    def plan(cls, tables: list[PageTable], count: int, tokens: np.ndarray | None = None) -> BatchAppend | None:
+        """``tokens``: the tables' ``num_tokens`` as int64 [B], where the caller has them."""
         if not tables:
             return None
         pool = tables[0].pool
@@ -378,7 +379,8 @@ class BatchAppend:
         for t in tables:
             if t.window is not None or t._released or t.pool is not pool:
                 return None
-        tokens = np.fromiter((t.num_tokens for t in tables), np.int64, b)
+        if tokens is None:
+            tokens = np.fromiter((t.num_tokens for t in tables), np.int64, b)
         listed = np.fromiter((t._n for t in tables), np.int64, b)
         stop = -(-(tokens + count) // ps)
         first = tokens // ps
@@ -387,7 +389,8 @@ class BatchAppend:
             return None
         partial = np.flatnonzero(span == 1)
         if partial.size:
-            last = np.fromiter((tables[i]._pages[first[i]] for i in partial.tolist()), np.int64, partial.size)
+            at = first[partial].tolist()
+            last = np.fromiter((tables[i]._pages[p] for i, p in zip(partial.tolist(), at)), np.int64, partial.size)
             if _any_must_copy(pool.allocator, last):
                 return None
         return cls(tables, count, np.maximum(stop - listed, 0), tokens, listed)
