@@ -16,7 +16,11 @@ Scenarios (P = pages in the pool, page size 16):
                             pool has a prefix cache, but these pages are not registered)
   cache churn n=1 / n=256   allocate n pages, register them under new keys, free them: the
                             pool is full of cached pages, so each page handed out evicts
-                            the least recently used one and its key
+                            the least recently used one and its key. n=1 also runs
+                            ``floor``: the same per-page work (LRU log, count, flags, two
+                            map entries per key) behind the same three calls, in bare
+                            Python with no input checks, counters or listeners: what a
+                            checked implementation of this API cannot beat in CPython
   decode churn off / on     64 sequences decode from a running start (the pool and the
                             first prompts are set up before the clock); a page per
                             sequence every 16 steps; finished sequences free their pages
@@ -43,6 +47,7 @@ import random
 import statistics
 import sys
 import time
+from array import array
 from collections import deque
 from pathlib import Path
 
@@ -158,6 +163,75 @@ class GetFree(Side):
         if self.kind == "deque":
             return f"handed out {self.d.allocated}"
         return f"handed out {self.a.stats().pages_allocated - self.before}"
+
+
+class UncheckedFloor(Side):
+    """Cache churn n=1 as bare Python: pagedkv's data layout (an LRU log with live
+    positions, counts and flags in arrays, key -> page and page -> key maps) behind the
+    same three calls (allocate, register, free), with every check, counter and listener
+    taken out. Not an allocator: the floor of this API in CPython."""
+
+    def __init__(self, iters: int, rounds: int) -> None:
+        self.iters = iters
+        n = 2048
+        rng = random.Random(1)
+        cutter = PrefixCache(_pool(1))
+        self.keys = [(1, cutter.keys(_tokens(rng, PAGE + 1)).pages[0]) for _ in range(iters * (rounds + 1))]
+        rc, flags = array("i", bytes(4 * n)), bytearray(n)
+        free, log, log_pos = array("q", range(n - 1, -1, -1)), array("q"), array("q", bytes(8 * n))
+        by_key: dict = {}
+        key_of: list = [None] * n
+        head = [0]
+
+        def get() -> int:
+            if free:
+                page = free.pop()
+            else:  # evict the least recently used cached page and its key
+                h = head[0]
+                while log_pos[log[h]] != h:
+                    h += 1
+                page = log[h]
+                head[0] = h + 1
+                flags[page] = 0
+                del by_key[key_of[page]]
+            rc[page] = 1
+            return page
+
+        def register(page: int, key) -> None:
+            if key not in by_key:
+                flags[page] = 1
+                by_key[key] = page
+                key_of[page] = key
+
+        def release(page: int) -> None:
+            count = rc[page] - 1
+            rc[page] = count
+            if not count:
+                if flags[page]:
+                    log_pos[page] = len(log)
+                    log.append(page)
+                else:
+                    free.append(page)
+
+        self.calls, self.by_key = (get, register, release), by_key
+        self.round = 0
+        self._run(slice(0, iters))  # untimed: fill the pool with cached pages
+        self.round = 1
+
+    def _run(self, which: slice) -> None:
+        get, register, release = self.calls
+        for key in self.keys[which]:
+            page = get()
+            register(page, key)
+            release(page)
+
+    def run(self) -> None:
+        start = self.round * self.iters
+        self._run(slice(start, start + self.iters))
+        self.round += 1
+
+    def audit(self) -> str:
+        return f"cached {len(self.by_key)}"
 
 
 class CacheChurn(Side):
@@ -453,8 +527,10 @@ def main() -> None:
                 sides["sorted"] = GetFree("sorted", n, iters, False)
             scenario(f"get+free n={n} caching {'on' if caching else 'off'}", sides, iters, "op")
     for n, iters in ((1, 3000 * scale), (256, 10 * scale)):
-        scenario(f"cache churn n={n}", {"pagedkv": CacheChurn("pagedkv", n, iters, rounds),
-                                       "vLLM model": CacheChurn("vllm", n, iters, rounds)}, iters, "op")
+        sides = {"pagedkv": CacheChurn("pagedkv", n, iters, rounds), "vLLM model": CacheChurn("vllm", n, iters, rounds)}
+        if n == 1:
+            sides["floor"] = UncheckedFloor(iters, rounds)
+        scenario(f"cache churn n={n}", sides, iters, "op")
     steps = 100 * scale
     for caching in (False, True, "at release"):
         scenario(f"decode churn caching {({False: 'off', True: 'on'}).get(caching, caching)}",

@@ -100,6 +100,7 @@ class PrefixCache:
         if state_pool is not None:
             state_pool.allocator.evict_listeners.append(self._forget_checkpoints)
         self.pool = pool
+        self._num_pages = pool.num_pages
         self.disk = disk
         self._digests: dict[int, tuple[bytes, bytes]] = {}  # node -> (its digest, its parent's); with disk
         self.extra = _extra(extra_keys)
@@ -144,6 +145,12 @@ class PrefixCache:
         """Evict listener: drop the keys of evicted pages (after queuing them for the
         disk tier, if any). O(len(ids)), the lookups in C when every page is ours."""
         key_of, by_key = self._key_of_page, self._by_key
+        if len(ids) == 1 and self.disk is None:  # one page handed out again (a decode step)
+            key = key_of.pop(ids[0], None)
+            if key is not None:  # (pages another prefix cache registered have none here)
+                del by_key[key]
+                self._evictions += 1
+            return
         if self.disk is not None:
             self._spill([p for p in ids if p in key_of], forget=True)
         if len(ids) > 1 and all(map(key_of.__contains__, ids)):
@@ -382,6 +389,22 @@ class PrefixCache:
         their own page lists. ``first`` may not pass the pages whose nodes ``keys``
         knows (from ``match`` or earlier registrations). O(len(pages)); bad input raises
         a typed error and registers nothing."""
+        if len(pages) == 1 and keys.__class__ is PrefixKeys and self.disk is None and first.__class__ is int:
+            # one page that just filled (a decode step), in as few steps as it takes
+            page, nodes, chunks = pages[0], keys.nodes, keys.pages
+            if (keys.owner is self and page.__class__ is int and 0 <= page < self._num_pages
+                    and 0 <= first <= len(nodes) and first < len(chunks)):
+                key = (nodes[first - 1] if first else keys.root, chunks[first])
+                if key not in self._by_key and page not in self._key_of_page:  # new content
+                    self._set_cacheable([page])  # may refuse (a page not held): nothing has changed yet
+                    node = self._next_node
+                    self._next_node = node + 1
+                    self._by_key[key] = page
+                    self._key_of_page[page] = key
+                    self._node_of_page[page] = node
+                    del nodes[first:]
+                    nodes.append(node)
+                    return 1
         if keys.__class__ is not PrefixKeys or keys.owner is not self:
             keys = self._keys_of(keys)
         if first.__class__ is not int or not 0 <= first <= len(keys.nodes):
@@ -389,20 +412,7 @@ class PrefixCache:
         ids, arr = self._page_list(pages)
         if len(keys.pages) < first + len(ids):
             self._require_tokens(keys, first + len(ids))
-        if len(ids) == 1 and self.disk is None:  # one page that just filled: a decode step
-            page, nodes = ids[0], keys.nodes
-            key = (nodes[first - 1] if first else keys.root, keys.pages[first])
-            if key not in self._by_key and page not in self._key_of_page:  # new content
-                self._set_cacheable(ids)  # may refuse: nothing has changed yet
-                node = self._next_node
-                self._next_node = node + 1
-                self._by_key[key] = page
-                self._key_of_page[page] = key
-                self._node_of_page[page] = node
-                del nodes[first:]
-                nodes.append(node)
-                return 1
-        elif len(ids) > 1 and len(set(ids)) != len(ids):
+        if len(ids) > 1 and len(set(ids)) != len(ids):
             raise InvalidValueError("a page is listed twice")
         return self._register(ids, first, keys, arr)
 

@@ -1,6 +1,7 @@
 """Prefix caching: identical outputs, reuse, LRU eviction, token verification; admission."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from tiny_models import PAGE_KINDS, make_model, make_pool, prompt_of
 
@@ -299,3 +300,33 @@ def test_a_refused_register_next_files_nothing():
         prefix.register_next([p1[1], p2[1]], [k1, short])  # short has no full page after its first
     assert (dict(prefix._by_key), [k1.nodes, k2.nodes], prefix.stats(), pool.allocator.stats()) == before
     assert prefix.register_next([p1[1], p2[1]], [k1, k2]) == 2
+
+
+def test_a_refused_one_page_register_pages_files_nothing():
+    """The one-page path of register_pages (a decode step's page) refuses what the
+    general path refuses, before any change."""
+    pool = make_pool("llama", page_size=PS, num_pages=16)
+    prefix = PrefixCache(pool)
+    keys = prefix.keys(prompt_of(2 * PS + 1, seed=5))
+    held = pool.allocator.allocate(1).tolist()
+    freed = pool.allocator.allocate(1).tolist()
+    pool.allocator.decref(freed)
+    other = PrefixCache(make_pool("llama", page_size=PS, num_pages=8)).keys(prompt_of(2 * PS, seed=3))
+    before = (dict(prefix._by_key), list(keys.nodes), prefix.stats(), pool.allocator.stats())
+    for pages, k, first, error in (
+        (freed, keys, 0, ValueError),  # a page nobody holds (RefCountError)
+        ([10**6], keys, 0, ValueError),  # out of the pool
+        ([-1], keys, 0, ValueError),
+        ([1.0], keys, 0, TypeError),
+        (held, keys, 1, ValueError),  # past the pages whose nodes keys knows
+        (held, keys, -1, ValueError),
+        (held, keys, 0.0, TypeError),
+        (held, other, 0, ValueError),  # another cache's keys
+        (held, prefix.keys(prompt_of(PS - 1)), 0, ValueError),  # no full page to file
+    ):
+        with pytest.raises(error):
+            prefix.register_pages(pages, k, first)
+    assert (dict(prefix._by_key), keys.nodes, prefix.stats(), pool.allocator.stats()) == before
+    assert prefix.register_pages(np.array(held), keys) == 1  # numpy ids take the general path
+    assert prefix.register_pages(held, prefix.keys(prompt_of(2 * PS + 1, seed=5))) == 0  # known content
+    assert len(prefix.match(keys)) == 1
