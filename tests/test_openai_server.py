@@ -323,6 +323,34 @@ def test_sigterm_mid_request_stops_the_server_and_releases_every_page():
         assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
 
 
+def test_a_compiled_decode_server_gives_concurrent_clients_their_solo_answers(lm):
+    """``--compiled-decode``: the batch's decode steps replay traces; rows join, leave and
+    get preempted between them, and every answer is still the request's own."""
+    from openai import AsyncOpenAI
+
+    proc, url = start_server("--pool-bytes", str(16 * 8192), "--max-batch", "6", "--compiled-decode")
+    questions = [f"Item {i}: spell {i * 13}." for i in range(8)]
+    lengths = [30 + 9 * (i % 4) for i in range(8)]
+
+    async def run_all():
+        aclient = AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        try:
+            return await asyncio.gather(*(aclient.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=n, temperature=0)
+                for q, n in zip(questions, lengths)))
+        finally:
+            await aclient.close()
+
+    try:
+        answers = asyncio.run(run_all())
+        for q, n, r in zip(questions, lengths, answers):
+            assert r.choices[0].message.content == solo(lm, lm.chat_tokens([{"role": "user", "content": q}]), n)[0], q
+        m = wait_idle(url)
+        assert m["pagedkv:num_preemptions_total"] > 0  # 16 pages are too few for 6 rows at once
+    finally:
+        assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
+
+
 @pytest.mark.slow
 def test_a_restarted_server_with_a_disk_tier_hits_the_previous_runs_prefixes(tmp_path, lm):
     from openai import OpenAI

@@ -69,9 +69,10 @@ def solo(model, prompt, n, eos=()):
     return list(generate(model, make_prompt_cache(model), prompt, max_tokens=n, eos_ids=eos))
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(model, prefix_caching):
-    engine = make_engine(model, num_pages=40, max_batch=8, prefix_caching=prefix_caching)
+@pytest.mark.parametrize("prefix_caching, compiled_decode", [(True, False), (False, False), (True, True)])
+def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(model, prefix_caching, compiled_decode):
+    engine = make_engine(model, num_pages=40, max_batch=8, prefix_caching=prefix_caching,
+                         compiled_decode=compiled_decode)
     sink, rng = Sink(), random.Random(0)
     shared = [rng.randrange(VOCAB) for _ in range(9)]
     reqs, work = [], []
@@ -82,6 +83,8 @@ def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(mode
         engine.add(work[-1])
     run(engine)
     assert sum(w.preemptions for w in work) > 0  # 40 pages of 4 tokens are too few at once
+    if compiled_decode:  # the steps were traced (a batch size and table width each) and replayed
+        assert engine._compiled.traces > 1
     for rid, prompt, n in reqs:
         assert sink.ids(rid) == solo(model, prompt, n), rid
         last = sink.last(rid)
@@ -307,3 +310,29 @@ def test_sample_rows_greedy_nucleus_and_temperature():
     assert 0.3 < firsts.count(3) / firsts.count(1) < 1.5  # e^-0.1 ≈ 0.9
     half = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.6)  # tokens 1 and 3 only
     assert set(sample_rows(logits, [half, half]).tolist()[0] for _ in range(100)) <= {1, 3}
+
+
+def test_a_compiled_decode_engine_refuses_what_it_cannot_compile_and_recovers_from_a_failed_step(model):
+    from tiny_models import make_model as tiny
+
+    from pagedkv import NotSupportedError, StatePool
+
+    with pytest.raises(InvalidTypeError):
+        make_engine(model, compiled_decode="yes")
+    hybrid = tiny("qwen3_next")
+    n_attn = sum(type(c).__name__ == "KVCache" for c in hybrid.make_cache())
+    pool = PagePool(num_layers=n_attn, num_kv_heads=2, head_dim=16, page_size=4, num_pages=32)
+    with pytest.raises(NotSupportedError):
+        Engine(hybrid, pool, decode=letters, state_pool=StatePool.for_model(hybrid, num_slots=4), compiled_decode=True)
+    engine = make_engine(model, compiled_decode=True)
+    sink = Sink()
+    engine.add(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=6), sink))
+    engine.step()
+    engine.step()
+    engine.fail_all("device lost")  # a new batch, and a compiled step for it
+    assert engine._compiled.batch is engine.batch and engine.pool.allocator.stats().in_use == 0
+    engine.add(GenerationRequest("b", [1, 2, 3], SamplingParams(max_tokens=6), sink))
+    engine.add(GenerationRequest("c", [4, 5, 6, 7, 8], SamplingParams(max_tokens=5), sink))
+    run(engine)
+    assert sink.ids("b") == solo(model, [1, 2, 3], 6) and sink.ids("c") == solo(model, [4, 5, 6, 7, 8], 5)
+    assert engine.pool.allocator.stats().in_use == 0

@@ -1,0 +1,109 @@
+"""The serving ``Engine`` with and without ``compiled_decode``, same requests, one run.
+
+    python3 bench/gpu_engine.py [--model 1b|8b|tiny] [--requests 32] [--prompt 512] [--new 128]
+                                [--rounds 2]
+
+Issue 15: what ``CompiledDecode`` gives a server, not a fixed batch. ``--requests``
+requests of ``--prompt`` random tokens each are queued at once; request i asks for
+``--new`` minus (i % 8) x new/16 tokens, so the batch shrinks in 8 stages near the end
+and the compiled engine meets 8 batch sizes (a trace each). Prefill budget: every
+prompt in the first step, so decoding is what the run measures. Greedy; no prefix
+caching (random prompts share nothing).
+
+Each side keeps one engine for the whole run, as a server would; a round queues the
+requests again and steps until every one is done (the sides take turns). Round 1 of the
+compiled side pays its traces (one per batch size and table width); later rounds
+replay them.
+Printed per round and side: wall seconds, generated tokens/s, engine steps, and for
+the compiled side its traces so far. Last: how many requests gave the same tokens on
+both sides (fp16 rounding can flip a near-tie between random-weight logits).
+Model: mlx-lm's llama class with random weights (``gpu_generate.model_of``), fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
+from gpu_generate import PS, SHAPES, model_of  # noqa: E402
+
+from pagedkv import PagePool  # noqa: E402
+from pagedkv.serving import Engine, GenerationRequest, SamplingParams  # noqa: E402
+
+SHAPES.setdefault("tiny", dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=32, rope_theta=10000.0))
+
+
+def make_engine(model, prompts: list[list[int]], news: list[int], compiled: bool, dtype) -> Engine:
+    a = model.args
+    pages = sum(-(-(len(p) + n + 1) // PS) for p, n in zip(prompts, news)) + 2
+    pool = PagePool(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+                    page_size=PS, num_pages=pages, dtype=dtype)
+    return Engine(model, pool, decode=lambda ids: "", max_batch=len(prompts), prefix_caching=False,
+                  prefill_budget=sum(map(len, prompts)), prefill_chunk=max(map(len, prompts)),
+                  compiled_decode=compiled)
+
+
+def run_round(engine: Engine, prompts: list[list[int]], news: list[int], r: int) -> dict:
+    """Queue every request (ids of round ``r``) and step until all are done."""
+    out: dict[str, list[int]] = {}
+
+    def sink(d) -> None:
+        out.setdefault(d.rid, []).extend(d.token_ids)
+
+    for i, (p, n) in enumerate(zip(prompts, news)):
+        engine.add(GenerationRequest(f"{r}.{i}", p, SamplingParams(max_tokens=n), sink))
+    mx.synchronize()
+    t0 = time.perf_counter()
+    steps = 0
+    while engine.has_work:
+        engine.step()
+        steps += 1
+    mx.synchronize()
+    seconds = time.perf_counter() - t0
+    return dict(seconds=seconds, tokens=sum(map(len, out.values())), steps=steps,
+                out=[out[f"{r}.{i}"] for i in range(len(prompts))],
+                traces=engine._compiled.traces if engine._compiled is not None else 0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    dtype = mx.float16
+    model = model_of(args.model, dtype)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.args.vocab_size, args.prompt).tolist() for _ in range(args.requests)]
+    news = [args.new - (i % 8) * (args.new // 16) for i in range(args.requests)]
+    print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, fp16; {args.requests} requests "
+          f"of {args.prompt} prompt tokens, {min(news)}-{max(news)} new tokens each", flush=True)
+    print(f"{'round':>5} {'side':>9} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'traces':>7}", flush=True)
+    engines = {side: make_engine(model, prompts, news, side == "compiled", dtype) for side in ("eager", "compiled")}
+    last = {}
+    for r in range(1, args.rounds + 1):
+        for side, engine in engines.items():
+            res = run_round(engine, prompts, news, r)
+            last[side] = res
+            print(f"{r:>5} {side:>9} {res['seconds']:>8.2f} {res['tokens'] / res['seconds']:>8.0f} "
+                  f"{res['steps']:>6} {res['traces'] if side == 'compiled' else '':>7}", flush=True)
+        ratio = last["eager"]["seconds"] / last["compiled"]["seconds"]
+        print(f"      round {r}: compiled/eager tokens/s {ratio:.2f}x", flush=True)
+    same = sum(e == c for e, c in zip(last["eager"]["out"], last["compiled"]["out"]))
+    print(f"same tokens in {same}/{args.requests} requests", flush=True)
+    for engine in engines.values():
+        engine.close()
+
+
+if __name__ == "__main__":
+    main()
