@@ -5,7 +5,7 @@ takes the decode kernel inside the trace)."""
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import LOGITS_ATOL, make_model, make_pool, prompt_of
+from tiny_models import LOGITS_ATOL, PAGE_KINDS, make_model, make_pool, prompt_of
 
 from pagedkv import (
     CompiledDecode,
@@ -35,7 +35,7 @@ def snapshot(batch):
             batch.pool.allocator.num_available())
 
 
-@pytest.mark.parametrize("pages", ["fp", "affine8"])
+@pytest.mark.parametrize("pages", PAGE_KINDS)
 def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages):
     model = make_model("llama")
     lengths = [5, 13, 30]
