@@ -105,11 +105,9 @@ class CompiledDecode:
             raise InvalidTypeError(f"batch must be a PagedBatch, got {type(batch).__name__}")
         self.bucket = check_int("bucket", bucket, minimum=1)
         layout = batch.rows.layout
-        if layout.state_slots or any(spec.window is not None for spec in layout.specs):
-            raise NotSupportedError("a compiled decode step serves full-attention layers only "
-                                    "(no recurrent layers, no sliding windows)")
-        if len(batch.caches) != layout.num_layers:
-            raise NotSupportedError("a compiled decode step needs one cache per model layer (no KV sharing)")
+        why = self.refusal(batch)
+        if why is not None:
+            raise NotSupportedError(why)
         route_attention(model)
         self.model, self.batch = model, batch
         self._layers = [_StepLayer(self, i) for i in range(layout.num_layers)]
@@ -122,6 +120,16 @@ class CompiledDecode:
         self._padded = [PaddedPageTable(spec.pool.null_page) for spec in layout.specs]
         self.traces = 0
         self._compiled = mx.compile(self._step, inputs=self._state, outputs=self._state)
+
+    @staticmethod
+    def refusal(batch: PagedBatch) -> str | None:
+        """Why a compiled step cannot serve ``batch``'s layers (None: it can)."""
+        layout = batch.rows.layout
+        if layout.state_slots or any(spec.window is not None for spec in layout.specs):
+            return "a compiled decode step serves full-attention layers only (no recurrent layers, no sliding windows)"
+        if len(batch.caches) != layout.num_layers:
+            return "a compiled decode step needs one cache per model layer (no KV sharing)"
+        return None
 
     def _step(self, tokens: mx.array, vectors: mx.array, *tables: mx.array) -> mx.array:
         self.traces += 1  # Python runs here only while tracing

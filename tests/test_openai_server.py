@@ -324,11 +324,11 @@ def test_sigterm_mid_request_stops_the_server_and_releases_every_page():
 
 
 def test_a_compiled_decode_server_gives_concurrent_clients_their_solo_answers(lm):
-    """``--compiled-decode``: the batch's decode steps replay traces; rows join, leave and
+    """``--compiled-decode on``: the batch's decode steps replay traces; rows join, leave and
     get preempted between them, and every answer is still the request's own."""
     from openai import AsyncOpenAI
 
-    proc, url = start_server("--pool-bytes", str(16 * 8192), "--max-batch", "6", "--compiled-decode")
+    proc, url = start_server("--pool-bytes", str(16 * 8192), "--max-batch", "6", "--compiled-decode", "on")
     questions = [f"Item {i}: spell {i * 13}." for i in range(8)]
     lengths = [30 + 9 * (i % 4) for i in range(8)]
 

@@ -51,6 +51,7 @@ from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.disk_tier import DiskTier
 from pagedkv.errors import InvalidTypeError, InvalidValueError, PoolExhausted
 from pagedkv.generation import prefill
+from pagedkv.kernels import paged_decode
 from pagedkv.pool import PagePool
 from pagedkv.prefix import PrefixCache
 from pagedkv.prefix_keys import PrefixKeys
@@ -169,7 +170,7 @@ class Engine:
         disk_tier: DiskTier | None = None,
         state_pool: StatePool | None = None,
         checkpoint_every: int = 16,
-        compiled_decode: bool = False,
+        compiled_decode: bool | None = None,
     ) -> None:
         """``decode`` turns token ids into text (special tokens skipped).
         ``prefill_budget``: prompt tokens prefilled per step (chunked prefill: a longer
@@ -182,19 +183,22 @@ class Engine:
         plus prefix checkpoints, kept every ``checkpoint_every`` pages: prefill forwards
         are cut at those boundaries, and decoding rows leave a checkpoint as they cross one).
         ``compiled_decode``: run the decode step through ``CompiledDecode`` (the model
-        traced once per batch size and page-table width, then replayed; 1.3-1.8x the
-        eager step on an H200, bench/RESULTS.md). A model it cannot serve (recurrent or
-        KV-sharing layers, sliding windows) raises ``NotSupportedError`` here."""
+        traced once per batch size and page-table width, then replayed: 1.2-1.4x the
+        eager engine's tokens/s on an H200, bench/RESULTS.md). True: a model it cannot
+        serve (recurrent or KV-sharing layers, sliding windows) raises
+        ``NotSupportedError`` here. None (default): on where it was measured faster,
+        MLX on a CUDA GPU, for the models it serves; eager otherwise. False: eager."""
         self.model = model
         self.pool = pool
         if state_pool is not None and (not isinstance(state_pool, StatePool) or state_pool.usable_slots < 2):
             raise InvalidValueError("state_pool must be a StatePool with at least 2 usable slots (a running "
                                     "request and the one it moves to off a checkpoint)")
         self.state_pool = state_pool
-        if not isinstance(compiled_decode, bool):
-            raise InvalidTypeError(f"compiled_decode must be a bool, got {type(compiled_decode).__name__}")
-        self.compiled_decode = compiled_decode
+        if compiled_decode is not None and not isinstance(compiled_decode, bool):
+            raise InvalidTypeError(f"compiled_decode must be a bool or None, got {type(compiled_decode).__name__}")
+        self._compile_asked = compiled_decode
         self._new_batch()
+        self.compiled_decode = self._compiled is not None  # what the engine does
         if disk_tier is not None and not prefix_caching:
             raise InvalidValueError("a disk tier keeps prefix-cache pages: it needs prefix_caching")
         self.prefix = PrefixCache(pool, disk=disk_tier, state_pool=state_pool,
@@ -286,9 +290,13 @@ class Engine:
         self._update_gauges()
 
     def _new_batch(self) -> None:
-        """An empty batch, and its compiled decode step if asked for."""
+        """An empty batch, and its compiled decode step if asked for (or by default, see
+        ``compiled_decode``)."""
         self.batch = PagedBatch.for_model(self.model, self.pool, state_pool=self.state_pool)
-        self._compiled = CompiledDecode(self.model, self.batch) if self.compiled_decode else None
+        asked = self._compile_asked
+        if asked is None:
+            asked = paged_decode.available() and CompiledDecode.refusal(self.batch) is None
+        self._compiled = CompiledDecode(self.model, self.batch) if asked else None
 
     # ------------------------------------------------------------------ the step
     def step(self) -> None:

@@ -3,7 +3,7 @@
     pagedkv serve [--model smollm2|tiny-random|PATH.gguf] [--host 127.0.0.1] [--port 8080]
                   [--pool-bytes N] [--page-size 16] [--kv-bits B] [--max-batch N]
                   [--prefill-budget N] [--max-tokens N] [--no-prefix-caching]
-                  [--compiled-decode]
+                  [--compiled-decode auto|on|off]
 
 The model, the pool and the engine are built on the engine's own thread (MLX streams
 are thread-local); uvicorn serves the Starlette app on the main thread's event loop.
@@ -40,9 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=positive_int, default=None,
                     help="max_tokens of a request that gives none (default: what its context allows)")
     ap.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
-    ap.add_argument("--compiled-decode", action="store_true",
+    ap.add_argument("--compiled-decode", choices=["auto", "on", "off"], default="auto",
                     help="run decode steps under mx.compile (traced once per batch size and page-table "
-                         "width, then replayed: less host work per token)")
+                         "width, then replayed: less host work per token). auto (default): on with MLX "
+                         "on a CUDA GPU, for the models it serves; on: refuse a model it cannot serve")
     ap.add_argument("--disk-tier", metavar="DIR", default=None,
                     help="keep evicted prefix pages in DIR (and every cached page at shutdown), so "
                          "prefix hits survive eviction and restarts")
@@ -82,7 +83,7 @@ def build_engine(args: argparse.Namespace, loaded: list):
     return Engine(lm.model, pool, decode=lm.decode, eos_token_ids=lm.eos_token_ids,
                   max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching,
                   prefill_budget=args.prefill_budget, prefill_chunk=min(512, args.prefill_budget),
-                  metrics=ServingMetrics(lm.name), disk_tier=disk, compiled_decode=args.compiled_decode)
+                  metrics=ServingMetrics(lm.name), disk_tier=disk, compiled_decode={"auto": None, "on": True, "off": False}[args.compiled_decode])
 
 
 def model_fingerprint(lm) -> str:
