@@ -7,6 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import LOGITS_ATOL, ON_CPU
 
 from pagedkv import PagePool
 
@@ -17,13 +18,27 @@ spec.loader.exec_module(serve)
 
 
 def solo(model, tokens, n):
+    """Greedy tokens of ``tokens`` decoded alone on mlx-lm's KVCache, and at each step the
+    gap between the two best logits."""
     cache = make_prompt_cache(model)
     logits = model(mx.array(tokens)[None], cache=cache)[0, -1]
-    out = []
+    out, gaps = [], []
     for _ in range(n):
         out.append(int(mx.argmax(logits).item()))
+        top = mx.sort(logits)[-2:]
+        gaps.append((top[1] - top[0]).item())
         logits = model(mx.array([[out[-1]]]), cache=cache)[0, -1]
-    return out
+    return out, gaps
+
+
+def assert_same_greedy(served, model, prompt, rid):
+    """The served tokens are the solo ones. On a GPU, float32 matmuls of other shapes
+    round differently (LOGITS_ATOL), so a step whose two best solo logits lie closer than
+    that may flip, and the tokens after it differ; the CPU is held to every token."""
+    want, gaps = solo(model, prompt, len(served))
+    if served != want:
+        first = next(i for i, (a, b) in enumerate(zip(served, want)) if a != b)
+        assert not ON_CPU and gaps[first] < LOGITS_ATOL, (rid, first, gaps[first])
 
 
 @pytest.mark.slow  # (tests/test_serving_engine.py covers the engine in the fast loop)
@@ -37,7 +52,7 @@ def test_served_outputs_equal_solo_greedy_even_with_preemption(prefix_caching):
     assert report.preemptions > 0  # the pool really ran out
     for req in trace:
         assert req.done
-        assert req.generated == solo(model, req.prompt, len(req.generated)), req.rid
+        assert_same_greedy(req.generated, model, req.prompt, req.rid)
     if prefix_caching:
         assert report.prefix_hit_rate > 0
     assert pool.allocator.num_in_use() == 0
@@ -64,5 +79,5 @@ def test_a_request_that_can_never_fit_is_rejected_and_the_loop_ends():
              serve.Request(2, 1, list(range(12)), 30)]  # 60 + 4 and 12 + 30 tokens never fit
     report = serve.serve(model, pool, trace, max_batch=4, progress=False)
     assert sorted(report.rejected) == [1, 2]
-    assert trace[0].done and trace[0].generated == solo(model, trace[0].prompt, 8)
+    assert trace[0].done and trace[0].generated == solo(model, trace[0].prompt, 8)[0]
     assert pool.allocator.num_in_use() == 0
