@@ -48,14 +48,14 @@ class PaddedPageTable:
         if self.host.shape != (b, width):
             self.host = np.full((b, width), self.null, dtype=np.int32)
             changed = range(b)
-        elif versions == self._versions and tables == self._tables:
-            moved = (first != self._first) | (stop != self._stop)
-            changed = np.flatnonzero(moved).tolist() if moved.any() else ()
         else:
             moved = (first != self._first) | (stop != self._stop)
-            changed = [i for i, (t, v, p, pv, m) in enumerate(
-                zip(tables, versions, self._tables, self._versions, moved.tolist()))
-                if m or t is not p or v != pv]
+            if versions == self._versions and tables == self._tables:  # (the usual step: in C)
+                changed = np.flatnonzero(moved).tolist()
+            else:
+                changed = [i for i, (t, v, p, pv, m) in enumerate(
+                    zip(tables, versions, self._tables, self._versions, moved.tolist()))
+                    if m or t is not p or v != pv]
         if changed:
             host = self.host
             for i in changed:

@@ -145,12 +145,6 @@ class PrefixCache:
         """Evict listener: drop the keys of evicted pages (after queuing them for the
         disk tier, if any). O(len(ids)), the lookups in C when every page is ours."""
         key_of, by_key = self._key_of_page, self._by_key
-        if len(ids) == 1 and self.disk is None:  # one page handed out again (a decode step)
-            key = key_of.pop(ids[0], None)
-            if key is not None:  # (pages another prefix cache registered have none here)
-                del by_key[key]
-                self._evictions += 1
-            return
         if self.disk is not None:
             self._spill([p for p in ids if p in key_of], forget=True)
         if len(ids) > 1 and all(map(key_of.__contains__, ids)):

@@ -37,7 +37,7 @@ from pagedkv.errors import (
 )
 from pagedkv.page_read import PageRead
 from pagedkv.pool import PagePool
-from pagedkv.visibility import window_start
+from pagedkv.visibility import page_span, window_start
 
 if TYPE_CHECKING:
     from pagedkv.cache import PagedKVCache
@@ -75,10 +75,10 @@ class KvAttentionView:
                 )
         self.starts = list(starts)  # first visible token per row
         self.lengths = list(lengths)  # one past the last
-        self._read = PageRead.of(pool, tables, np.array(starts, dtype=np.int64),
-                                 np.array(lengths, dtype=np.int64))
-        ps = pool.page_size
-        held = np.concatenate([t.page_ids(lo // ps, -(-hi // ps)) for t, lo, hi in zip(tables, starts, lengths)])
+        lo, hi = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
+        self._read = PageRead.of(pool, tables, lo, hi)
+        first, stop, _ = page_span(lo, hi, pool.page_size)
+        held = np.concatenate([t.page_ids(f, e) for t, f, e in zip(tables, first.tolist(), stop.tolist())])
         pool.allocator.incref(held)  # the last step that can fail: nothing to undo
         self._held = held
         self.pool = pool

@@ -19,6 +19,7 @@ import sys
 from pagedkv.cli import int_at_least, positive_int
 
 DEFAULT_POOL_BYTES = 256 << 20
+COMPILED_DECODE = {"auto": None, "on": True, "off": False}  # --compiled-decode -> Engine(compiled_decode=)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,7 +84,8 @@ def build_engine(args: argparse.Namespace, loaded: list):
     return Engine(lm.model, pool, decode=lm.decode, eos_token_ids=lm.eos_token_ids,
                   max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching,
                   prefill_budget=args.prefill_budget, prefill_chunk=min(512, args.prefill_budget),
-                  metrics=ServingMetrics(lm.name), disk_tier=disk, compiled_decode={"auto": None, "on": True, "off": False}[args.compiled_decode])
+                  metrics=ServingMetrics(lm.name), disk_tier=disk,
+                  compiled_decode=COMPILED_DECODE[args.compiled_decode])
 
 
 def model_fingerprint(lm) -> str:
