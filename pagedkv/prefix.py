@@ -421,10 +421,45 @@ class PrefixCache:
         registered; its sequence continues from the cached page's node, as in
         ``register``. O(len(pages)); bad input raises a typed error and registers
         nothing. Returns the number of pages newly registered."""
-        if len(pages) != len(keys):
-            raise InvalidValueError(f"{len(pages)} pages for {len(keys)} sequences")
-        if not pages:
+        n = len(pages)
+        if n != len(keys):
+            raise InvalidValueError(f"{n} pages for {len(keys)} sequences")
+        by_key, key_of = self._by_key, self._key_of_page
+        next_keys = []
+        if pages.__class__ is list and self.disk is None:
+            # The common case in one pass: int ids, our keys, content not cached yet.
+            # Anything else leaves the loop early, and the general path sorts it out.
+            for page, k in zip(pages, keys):
+                if page.__class__ is not int or k.__class__ is not PrefixKeys or k.owner is not self or page in key_of:
+                    break
+                nodes, chunks = k.nodes, k.pages
+                m = len(nodes)
+                if m >= len(chunks):
+                    break
+                key = (nodes[-1] if m else k.root, chunks[m])
+                if key in by_key:
+                    break
+                next_keys.append(key)
+        if len(next_keys) != n or (n > 1 and (len(set(pages)) != n or len(set(next_keys)) != n)):
+            return self._register_next_general(pages, keys)
+        if not n:
             return 0
+        self._set_cacheable(pages)  # checks that each page is in range and held; nothing has changed yet
+        node = self._next_node
+        self._next_node = node + n
+        node_of = self._node_of_page
+        for page, k, key in zip(pages, keys, next_keys):
+            by_key[key] = page
+            key_of[page] = key
+            node_of[page] = node
+            k.nodes.append(node)
+            node += 1
+        return n
+
+    def _register_next_general(self, pages: Sequence[int], keys: Sequence[PrefixKeys]) -> int:
+        """``register_next`` checked item by item: numpy ids, a disk tier, content that is
+        cached already or repeats in the call, and bad input (typed errors). A plan per
+        item first; nothing changes until the allocator accepts the new pages."""
         ids, _ = self._page_list(pages)
         next_keys = []
         try:
@@ -437,31 +472,8 @@ class PrefixCache:
                 next_keys.append((nodes[-1] if nodes else k.root, k.pages[len(nodes)]))
         except IndexError:
             self._require_tokens(k, len(k.nodes) + 1)
-        n = len(ids)
-        if len(set(ids)) != n:
+        if len(set(ids)) != len(ids):
             raise InvalidValueError("a page is listed twice")
-        fresh = dict(zip(next_keys, ids))  # (update reuses the hashes made here)
-        by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
-        if len(fresh) != n or not key_of.keys().isdisjoint(ids) or not by_key.keys().isdisjoint(fresh):
-            return self._register_next_known(ids, keys, next_keys)
-        self._set_cacheable(ids)  # may refuse: nothing has changed yet
-        node = self._next_node
-        self._next_node = node + n
-        if self.disk is not None:
-            for key, made_node in zip(next_keys, range(node, node + n)):
-                self._file_digests(key[0], [key[1]], made_node)
-        by_key.update(fresh)
-        key_of.update(zip(ids, next_keys))
-        for page, k in zip(ids, keys):
-            node_of[page] = node
-            k.nodes.append(node)
-            node += 1
-        return n
-
-    def _register_next_known(self, ids: list[int], keys: Sequence[PrefixKeys],
-                             next_keys: list[tuple[int, bytes]]) -> int:
-        """``register_next`` when some content is cached already, or repeats in the call:
-        a plan per item first (nothing changes until the allocator accepts the new pages)."""
         if len(set(map(id, keys))) != len(keys):
             raise InvalidValueError("a sequence is listed twice: register its pages with register_pages")
         by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page

@@ -247,17 +247,19 @@ def _decoded(prefix, pool, seqs):
 def test_register_next_files_a_steps_pages_as_one_page_at_a_time_would(repeated):
     """A decode step's filled pages, one per sequence, in one call: the same nodes,
     matches and stats as register_pages page by page; ``repeated``: two sequences with
-    equal content, so the call also meets content cached already or repeated inside it."""
+    equal content, so the call also meets content cached already or repeated inside it.
+    Ids as a numpy array take the general path, which must file the same."""
     shared = prompt_of(4 * PS, seed=1)
     seqs = [prompt_of(4 * PS, seed=s) for s in (2, 3)] + ([shared, list(shared)] if repeated else [shared])
     results = []
-    for batched in (False, True):
+    for batched in (False, True, "numpy"):
         pool = make_pool("llama", page_size=PS, num_pages=64)
         prefix = PrefixCache(pool)
         rows = _decoded(prefix, pool, seqs)
         for page in range(1, 4):
             if batched:
-                added = prefix.register_next([p[page] for _, p in rows], [k for k, _ in rows])
+                ids = [p[page] for _, p in rows]
+                added = prefix.register_next(np.array(ids) if batched == "numpy" else ids, [k for k, _ in rows])
             else:
                 added = sum(prefix.register_pages([p[page]], k, page) for k, p in rows)
             assert added == 3  # (a repeated sequence's page is not filed twice)
@@ -266,7 +268,7 @@ def test_register_next_files_a_steps_pages_as_one_page_at_a_time_would(repeated)
         for _, pages in rows:
             pool.allocator.decref(pages[::-1])
         pool.allocator.check()
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     nodes, matches = results[1][0], results[1][1]
     assert all(len(m) == 4 for m in matches)
     if repeated:
