@@ -17,11 +17,16 @@ in two:
       [start, length) per row              pool arrays: the compiled state, written
                                              back into the pool's own lists
 
-The per-row vectors travel as one int32 array, ``vectors`` [1 + sum(kv_heads + 3), B]
-(positions; then per table kind: write rows [kv_heads], slots, lengths, starts), and
-each table kind's page table as its own [B, width] input, so a step makes 1 + kinds
-MLX arrays on the host (each copy to the device costs tens of microseconds) and the
-table shapes tell the traces apart.
+The per-row vectors travel as one flat int32 array, and each table kind's page table
+as its own [B, width] input, so a step makes 1 + kinds MLX arrays on the host (each
+copy to the device costs tens of microseconds) and the table shapes tell the traces
+apart::
+
+    vectors = [positions (B) | per table kind: write rows (B x kv_heads) |
+               write slots (B x kv_heads) | lengths (B) | starts (B)]
+
+The write rows and slots come [B, kv_heads, 1], the shape of the model's keys and
+values, so each layer scatters them as they are (no transpose, no copy per layer).
 
 Everything that varies per step is an input, so the trace is reused until the batch
 size, the token dtype or a table's bucketed width changes (``traces`` counts them).
@@ -70,17 +75,14 @@ class _StepLayer:
 
     @property
     def offset(self) -> mx.array:
-        return self.owner._inputs[0][0]
+        return self.owner._inputs[0]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         return None  # one query per row: its range says it all
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         rows, slots = self.owner._inputs[1][self.spec][:2]
-        h = self.pool.num_kv_heads
-        flat_k = keys.transpose(1, 0, 2, 3).reshape(h, -1, keys.shape[-1])
-        flat_v = values.transpose(1, 0, 2, 3).reshape(h, -1, values.shape[-1])
-        self.pool.scatter(self.pool_layer, rows, slots, flat_k, flat_v)
+        self.pool.scatter(self.pool_layer, rows, slots, keys, values)
         return keys, values  # unused: attention is routed to ``attend``
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
@@ -133,13 +135,16 @@ class CompiledDecode:
 
     def _step(self, tokens: mx.array, vectors: mx.array, *tables: mx.array) -> mx.array:
         self.traces += 1  # Python runs here only while tracing
-        per_spec, at = [], 1
+        b = tokens.shape[0]
+        per_spec, at = [], b
         for spec, table in zip(self.batch.rows.layout.specs, tables):
-            h = spec.pool.num_kv_heads
-            rows, slots, lengths, starts = vectors[at : at + h], vectors[at + h], vectors[at + h + 1], vectors[at + h + 2]
+            n = b * spec.pool.num_kv_heads
+            rows, slots = vectors[at : at + n].reshape(b, -1, 1), vectors[at + n : at + 2 * n].reshape(b, -1, 1)
+            at += 2 * n
+            lengths, starts = vectors[at : at + b], vectors[at + b : at + 2 * b]
+            at += 2 * b
             per_spec.append((rows, slots, table, lengths, starts))
-            at += h + 3
-        self._inputs = (vectors, per_spec)
+        self._inputs = (vectors[:b], per_spec)
         try:
             return self.model(tokens, cache=self._layers)
         finally:
@@ -165,7 +170,7 @@ class CompiledDecode:
         # the pool's lists as they are: a trace that fails leaves placeholders in them
         arrays = [(arrs, list(arrs)) for state in self._state for part in state for arrs in part]
         try:
-            vectors, tables = [start.astype(np.int32)[None]], []
+            vectors, tables = [start.astype(np.int32)], []
             for spec, config in enumerate(rows.layout.specs):
                 layer = rows.layers_of(spec)[0]
                 lo, hi = rows.visible_range(layer)
@@ -173,7 +178,7 @@ class CompiledDecode:
                                    padded=self._padded[spec])
                 write_rows, slots = rows.write_slots(spec, start, 1)
                 lengths, starts = read.kernel_range_values()
-                vectors += [write_rows, slots[None], lengths[None], starts[None]]
+                vectors += [write_rows.ravel(), slots.ravel(), lengths, starts]
                 tables.append(read.table)
             logits = self._compiled(tokens, mx.array(np.concatenate(vectors)), *tables)
         except BaseException:

@@ -211,7 +211,8 @@ class PagePool:
         return keys.shape[-2]
 
     def write(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Write tokens into ``layer``: ``keys`` [kv_heads, T, D] go to (rows, slots).
+        """Write tokens into ``layer``: ``keys`` [kv_heads, T, D] go to (rows, slots),
+        int index arrays of ``keys``' leading shape [kv_heads, T] (or broadcasting to it).
 
         The single write path of pagedkv. In place (buffer donation) unless a caller
         keeps a pending read of this layer, which is evaluated first.
@@ -223,7 +224,9 @@ class PagePool:
     def write_checked(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array,
                       values: mx.array) -> None:
         """``write`` for a caller that has validated ``layer`` and ``keys``/``values``
-        (``check_kv``) itself: the row set, once per layer of a step."""
+        (``check_kv``) itself: the row set, once per layer of a step. ``keys`` may have
+        any leading shape that ``rows`` and ``slots`` share (the row set's: [B, kv_heads,
+        T]); element (..., d) goes to layer row ``rows[...]``, slot ``slots[...]``."""
         self._writes.before_write(layer)  # (in place: see the module doc)
         self.scatter(layer, rows, slots, keys, values)
 

@@ -366,13 +366,7 @@ class RowSet:
             spec, pool_layer = self.layout.layers[layer]
             pool = self.layout.specs[spec].pool
             rows, slots = self.write_index(spec, start, count)
-            if self.num_rows == 1:
-                flat_k, flat_v = keys[0], values[0]
-            else:
-                h = pool.num_kv_heads
-                flat_k = keys.transpose(1, 0, 2, 3).reshape(h, -1, keys.shape[-1])
-                flat_v = values.transpose(1, 0, 2, 3).reshape(h, -1, values.shape[-1])
-            pool.write_checked(pool_layer, rows, slots, flat_k, flat_v)
+            pool.write_checked(pool_layer, rows, slots, keys, values)  # (indexed as they come)
         except BaseException:
             self._abort_write(layer)
             raise
@@ -594,8 +588,10 @@ class RowSet:
     # ------------------------------------------------------------------ indices
     def write_index(self, spec: int, start: np.ndarray, count: int) -> tuple[mx.array, mx.array]:
         """(pool array rows, slots) of tokens [start, start + count) of every row of
-        ``spec``'s tables, int32 and flat (rows: [kv_heads, B * count]); memoised until
-        the rows or their pages change."""
+        ``spec``'s tables, int32 [B, kv_heads, count] each: they index a layer array with
+        the step's keys/values [B, kv_heads, count, D] as the model makes them, so no
+        layer transposes or copies them first. Memoised until the rows or their pages
+        change."""
         key = ("w", spec, start.tobytes(), count)
         hit = self._memo.get(key)
         if hit is None:
@@ -603,17 +599,20 @@ class RowSet:
         return hit
 
     def write_slots(self, spec: int, start: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """``write_index`` on the host, not memoised: int32 numpy (rows [kv_heads,
-        B * count], slots [B * count])."""
+        """``write_index`` on the host, not memoised: int32 numpy (rows, slots), each
+        [B, kv_heads, count]."""
         pool = self.layout.specs[spec].pool
-        ps = pool.page_size
+        ps, h = pool.page_size, pool.num_kv_heads
         pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
         tables = self._tables[spec]
+        b = len(tables)
         if count == 1:  # a decode step: one page per row, looked up without arrays
-            pages = np.fromiter(map(PageTable.page_at, tables, (start // ps).tolist()), np.int64, len(tables))
+            pages = np.fromiter(map(PageTable.page_at, tables, (start // ps).tolist()), np.int64, b)
         else:
             pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(tables, pos)])
-        return pool.array_rows(pages).astype(np.int32), (pos.reshape(-1) % ps).astype(np.int32)
+        rows = pool.array_rows(pages).reshape(h, b, count).transpose(1, 0, 2)
+        slots = np.broadcast_to((pos % ps)[:, None, :], (b, h, count))
+        return np.ascontiguousarray(rows, dtype=np.int32), np.ascontiguousarray(slots, dtype=np.int32)
 
     def position_array(self, positions: np.ndarray) -> mx.array:
         """``positions`` (int [B]) as an int32 MLX array, memoised by value until the rows
