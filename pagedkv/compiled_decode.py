@@ -1,32 +1,51 @@
-"""``CompiledDecode``: a ``PagedBatch``'s decode step under ``mx.compile``.
+"""``CompiledDecode``: a ``PagedBatch``'s decode step under ``mx.compile``, its step
+state kept on the device.
 
 An eager step builds the model's graph in Python every token: at B=32 on an H200 that
 host work took longer than the GPU's (bench/RESULTS.md, issue 15). Compiling the step
 replays a traced graph instead, but pagedkv's caches make their index arrays from numpy
 inside the model call, and a trace would freeze those as constants. So the step is cut
-in two:
+in two::
 
     host (Python, every step)              compiled (traced once per shape)
     -------------------------              ---------------------------------------
-    RowSet.reserve_step(1): pages,         model(tokens) with one _StepLayer per layer:
-      positions, undo records                RoPE at `positions`, pool.scatter of the
-    per table kind: write rows/slots,        step's K/V at (rows, slots), attention
-      page table padded to `bucket`          through the decode kernel (GPU) or the
-      pages (PaddedPageTable: only the       pages gathered by the table (CPU), from
-      rows that grew are rebuilt),           these inputs
-      [start, length) per row              pool arrays: the compiled state, written
+    RowSet.reserve_step(1, supply): the    positions = previous + 1 (and the step
+      step's pages (a row that crosses       returns them for the next step)
+      into a new page takes its            per table kind: the write page of each row
+      lookahead page), undo records          = table[row, position // page_size]
+    the device state still holds?          model(tokens) with one _StepLayer per layer:
+      (same rows, positions one on, no       RoPE at `positions`, pool.scatter of the
+      page listed but lookahead ones)        step's K/V at (page rows, position %
+      yes: nothing to copy                   page_size), attention through the decode
+      no:  top the lookahead up, copy        kernel (GPU) or the pages gathered by the
+           positions and padded tables       table (CPU), keys [0, position]
+                                           pool arrays: the compiled state, written
                                              back into the pool's own lists
 
-The per-row vectors travel as one flat int32 array, and each table kind's page table
-as its own [B, width] input, so a step makes 1 + kinds MLX arrays on the host (each
-copy to the device costs tens of microseconds) and the table shapes tell the traces
-apart::
+Every copy from the host to the device costs tens of microseconds inside a step on the
+H200, so the step state stays on the device from one step to the next: the positions
+advance inside the trace, and each table kind's page table ([B, width], padded with the
+null page to a multiple of ``bucket`` pages) is copied only when its pages changed in a
+way the device copy does not already hold. For that, each row holds one **lookahead
+page** ahead of need, already in the device table one column after its listed pages::
 
-    vectors = [positions (B) | per table kind: write rows (B x kv_heads) |
-               write slots (B x kv_heads) | lengths (B) | starts (B)]
+    device table, row b:  [ p0 | p1 | ... | p_last | lookahead | null ... null ]
+                                              ^ position // page_size, until the row
+                                                crosses into the lookahead column
 
-The write rows and slots come [B, kv_heads, 1], the shape of the model's keys and
-values, so each layer scatters them as they are (no transpose, no copy per layer).
+The step that crosses takes that very page (``BatchAppend``'s supply), so the device
+table stays right; a row crosses again ``page_size`` steps later, and only then, when
+its lookahead is spent, is a table copied (with a fresh lookahead page for every row
+that lacks one). A batch decodes about ``page_size`` steps per copy instead of one.
+
+Lookahead pages belong to this object (one allocator reference each) until a step takes
+one into a row's table. It takes them only while at least as many pages stay free in the
+pool, gives them all back when the batch's rows change (``extend``, ``keep_rows``...)
+or when a step would otherwise run out of pages (retried without them), and on
+``release_lookahead()`` or garbage collection. While held they count as in use in the
+pool's stats (``lookahead_pages`` says how many); taking one may evict a cached page
+``page_size`` steps before the row would have. ``lookahead=False`` holds none: then a
+table is copied in every step where a row grows a page.
 
 Everything that varies per step is an input, so the trace is reused until the batch
 size, the token dtype or a table's bucketed width changes (``traces`` counts them).
@@ -41,13 +60,16 @@ that cannot get its pages raises ``PoolExhausted`` with every row as it was. Not
 hybrid (recurrent) models or sliding windows (``PagedBatch.for_model`` refuses those),
 nor KV-sharing ``DonorCache`` layers: ``NotSupportedError``.
 
-Ownership: the batch keeps its rows; this object holds the model, the batch and the
-traces. Costs per step on the host: the reservation (O(B)), O(B) index building
-plus O(width) per row that grew a page, per table kind; no graph building after the
-first trace.
+Ownership: the batch keeps its rows; this object holds the model, the batch, the traces,
+the device step state and the lookahead pages. Costs per step on the host: the
+reservation (O(B)), an O(B) check that the device state holds; when it does not, O(B)
+index building plus O(width) per row whose pages changed, per table kind, and one
+copy of the positions and of each table. No graph building after the first trace.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import mlx.core as mx
 import numpy as np
@@ -55,10 +77,16 @@ import numpy as np
 from pagedkv.attention import attend_parts
 from pagedkv.attention_routing import route_attention
 from pagedkv.batch import PagedBatch
-from pagedkv.errors import InvalidTypeError, KvShapeError, NotSupportedError, check_int
+from pagedkv.errors import (
+    InvalidTypeError,
+    KvShapeError,
+    NotSupportedError,
+    PoolExhausted,
+    check_int,
+)
 from pagedkv.kernels import paged_decode
 from pagedkv.padded_page_table import PaddedPageTable
-from pagedkv.page_read import PageRead
+from pagedkv.table import PageTable
 
 
 class _StepLayer:
@@ -99,28 +127,52 @@ class _StepLayer:
         return attend_parts(queries, k_parts, v_parts, scale, visible, pool.kind)
 
 
+def _give_back(allocators: list, supply: list[np.ndarray]) -> None:
+    """Free the lookahead pages in ``supply`` (per table kind, -1: none), last first."""
+    for alloc, ids in zip(allocators, supply):
+        held = ids[ids >= 0]
+        if held.size:
+            alloc.decref(held[::-1].copy())
+        ids[:] = -1
+
+
 class CompiledDecode:
-    def __init__(self, model, batch: PagedBatch, bucket: int = 64) -> None:
+    def __init__(self, model, batch: PagedBatch, bucket: int = 64, lookahead: bool = True) -> None:
         """Decode steps of ``batch`` (built by ``PagedBatch.for_model(model, ...)``)
-        under ``mx.compile``; page tables are padded to a multiple of ``bucket`` pages."""
+        under ``mx.compile``; page tables are padded to a multiple of ``bucket`` pages;
+        ``lookahead``: hold a page ahead of need per row (see the module doc)."""
         if not isinstance(batch, PagedBatch):
             raise InvalidTypeError(f"batch must be a PagedBatch, got {type(batch).__name__}")
+        if not isinstance(lookahead, bool):
+            raise InvalidTypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
         self.bucket = check_int("bucket", bucket, minimum=1)
         layout = batch.rows.layout
         why = self.refusal(batch)
         if why is not None:
             raise NotSupportedError(why)
         route_attention(model)
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.lookahead = model, batch, lookahead
         self._layers = [_StepLayer(self, i) for i in range(layout.num_layers)]
         pools = list({id(spec.pool): spec.pool for spec in layout.specs}.values())
         self._pools = pools
         self._state = [pool.compile_state() for pool in pools]
         self._inputs: tuple = ()
-        # per spec: the step's padded page table, kept from step to step (the rows that
-        # grew a page are rebuilt; a step that fails leaves it checking, not wrong)
-        self._padded = [PaddedPageTable(spec.pool.null_page) for spec in layout.specs]
+        specs = layout.specs
+        # per spec: the padded page table of the last copy, kept so the next copy
+        # rebuilds only the rows whose pages changed
+        self._padded = [PaddedPageTable(spec.pool.null_page) for spec in specs]
+        # per spec: each row's lookahead page (-1: none), this object's references. The
+        # list is the finaliser's too, so entries are replaced in place, never the list.
+        self._supply = [np.full(0, -1, dtype=np.int64) for _ in specs]
+        self._finalizer = weakref.finalize(self, _give_back, [spec.pool.allocator for spec in specs], self._supply)
+        # the device step state of the last step: (positions, starts, tables), the rows'
+        # positions it stands for, and per spec the tables and their versions it holds
+        self._device: tuple | None = None
+        self._expect = np.zeros(0, dtype=np.int64)
+        self._seen: list[list[PageTable]] = [[] for _ in specs]
+        self._versions: list[list[int]] = [[] for _ in specs]
         self.traces = 0
+        self.uploads = 0  # steps that copied their state to the device (the first, and after changes)
         self._compiled = mx.compile(self._step, inputs=self._state, outputs=self._state)
 
     @staticmethod
@@ -133,20 +185,33 @@ class CompiledDecode:
             return "a compiled decode step needs one cache per model layer (no KV sharing)"
         return None
 
-    def _step(self, tokens: mx.array, vectors: mx.array, *tables: mx.array) -> mx.array:
+    @property
+    def lookahead_pages(self) -> int:
+        """Lookahead pages held now (in use in the pool's stats, in no row's table)."""
+        return sum(int((ids >= 0).sum()) for ids in self._supply)
+
+    def release_lookahead(self) -> int:
+        """Give every lookahead page back to its pool; returns how many. The next step
+        copies its state to the device again (and takes new ones)."""
+        n = self.lookahead_pages
+        _give_back([spec.pool.allocator for spec in self.batch.rows.layout.specs], self._supply)
+        self._device = None
+        return n
+
+    def _step(self, tokens: mx.array, positions: mx.array, starts: mx.array, *tables: mx.array):
         self.traces += 1  # Python runs here only while tracing
-        b = tokens.shape[0]
-        per_spec, at = [], b
+        positions = positions + 1  # (the state of the previous step, advanced by this one)
+        lengths = positions + 1
+        per_spec = []
         for spec, table in zip(self.batch.rows.layout.specs, tables):
-            n = b * spec.pool.num_kv_heads
-            rows, slots = vectors[at : at + n].reshape(b, -1, 1), vectors[at + n : at + 2 * n].reshape(b, -1, 1)
-            at += 2 * n
-            lengths, starts = vectors[at : at + b], vectors[at + b : at + 2 * b]
-            at += 2 * b
+            pool = spec.pool
+            page = mx.take_along_axis(table, (positions // pool.page_size)[:, None], axis=1)  # [B, 1]
+            rows = pool.device_rows(page)  # [B, kv_heads, 1]: the shape of the step's keys
+            slots = (positions % pool.page_size)[:, None, None]
             per_spec.append((rows, slots, table, lengths, starts))
-        self._inputs = (vectors[:b], per_spec)
+        self._inputs = (positions, per_spec)
         try:
-            return self.model(tokens, cache=self._layers)
+            return self.model(tokens, cache=self._layers), positions
         finally:
             self._inputs = ()
 
@@ -166,25 +231,106 @@ class CompiledDecode:
                                f"got {tuple(tokens.shape)}")
         for pool in self._pools:
             pool.settle_reads()
-        start = rows.reserve_step(1)
+        specs = range(len(rows.layout.specs))
+        same_rows = all(rows.tables(s) == self._seen[s] for s in specs)
+        supply = self._supply if same_rows else None  # (other rows: given back once the step stands)
+        try:
+            start = rows.reserve_step(1, supply=supply)
+        except PoolExhausted:
+            if not self.lookahead_pages:
+                raise
+            self.release_lookahead()  # never short of pages for holding some ahead
+            supply = None
+            start = rows.reserve_step(1)
         # the pool's lists as they are: a trace that fails leaves placeholders in them
         arrays = [(arrs, list(arrs)) for state in self._state for part in state for arrs in part]
+        taken = [self._taken(rows, s, start) if supply is not None else [] for s in specs]
+        fresh: list = []  # lookahead pages this call took: given back if it fails
         try:
-            vectors, tables = [start.astype(np.int32)], []
-            for spec, config in enumerate(rows.layout.specs):
-                layer = rows.layers_of(spec)[0]
-                lo, hi = rows.visible_range(layer)
-                read = PageRead.of(config.pool, rows.tables(spec), lo, hi, bucket=self.bucket,
-                                   padded=self._padded[spec])
-                write_rows, slots = rows.write_slots(spec, start, 1)
-                lengths, starts = read.kernel_range_values()
-                vectors += [write_rows.ravel(), slots.ravel(), lengths, starts]
-                tables.append(read.table)
-            logits = self._compiled(tokens, mx.array(np.concatenate(vectors)), *tables)
+            device = self._device if same_rows and self._holds(rows, start, taken) else None
+            if device is None:
+                kept = self._supply if supply is not None else [np.full(rows.num_rows, -1, np.int64) for _ in specs]
+                next_supply = [ids.copy() for ids in kept]
+                for s, ids in zip(specs, next_supply):
+                    ids[taken[s]] = -1
+                    if self.lookahead:
+                        fresh.append(self._top_up(s, ids))
+                device = self._upload(rows, start, next_supply)
+            else:
+                next_supply = None
+            logits, positions = self._compiled(tokens, device[0], device[1], *device[2])
         except BaseException:
-            for arrs, kept in arrays:
-                arrs[:] = kept
+            for arrs, kept_arrays in arrays:
+                arrs[:] = kept_arrays
+            for s, ids in reversed(list(enumerate(fresh))):
+                if ids.size:
+                    rows.layout.specs[s].pool.allocator.decref(ids[::-1].copy())
             rows.finish_reserved(ok=False)
             raise
         rows.finish_reserved(ok=True)
+        if supply is None:  # the rows changed: the old rows' lookahead goes back
+            _give_back([rows.layout.specs[s].pool.allocator for s in specs], self._supply)
+        for s in specs:
+            if next_supply is not None:
+                self._supply[s] = next_supply[s]
+            else:
+                self._supply[s][taken[s]] = -1
+            tables = rows.tables(s)
+            self._seen[s] = list(tables)
+            self._versions[s] = [t.version for t in tables]
+        self._device = (positions, device[1], device[2])
+        self._expect = start + 1
         return logits
+
+    def _taken(self, rows, spec: int, start: np.ndarray) -> list[int]:
+        """The rows whose reserved step took their lookahead page of ``spec``: those
+        that crossed into a new page, whose table now lists the supplied page there."""
+        supply, ps = self._supply[spec], rows.layout.specs[spec].pool.page_size
+        tables = rows.tables(spec)
+        return [i for i in np.flatnonzero(start % ps == 0).tolist()
+                if supply[i] >= 0 and tables[i].num_pages > start[i] // ps
+                and tables[i].page_at(int(start[i]) // ps) == supply[i]]
+
+    def _holds(self, rows, start: np.ndarray, taken: list[list[int]]) -> bool:
+        """Whether the device state of the last step is this step's, advanced by one:
+        the rows one position on, and their pages changed only by taken lookahead
+        pages (which the device tables list already)."""
+        if self._device is None or not np.array_equal(start, self._expect):
+            return False
+        for s, was in enumerate(self._versions):
+            now = [t.version for t in rows.tables(s)]
+            if now != was:
+                changed = [i for i, (a, b) in enumerate(zip(now, was)) if a != b]
+                if changed != taken[s] or any(now[i] != was[i] + 1 for i in changed):
+                    return False
+        return True
+
+    def _top_up(self, spec: int, ids: np.ndarray) -> np.ndarray:
+        """Give every row of ``spec`` without a lookahead page one, in place, if the
+        pool keeps at least as many pages free; returns the pages taken."""
+        lacking = np.flatnonzero(ids < 0)
+        alloc = self.batch.rows.layout.specs[spec].pool.allocator
+        if lacking.size == 0 or alloc.num_available() < 2 * lacking.size:
+            return np.empty(0, dtype=np.int64)
+        new = np.asarray(alloc.allocate(int(lacking.size)), dtype=np.int64)
+        ids[lacking] = new
+        return new
+
+    def _upload(self, rows, start: np.ndarray, supply: list[np.ndarray]) -> tuple:
+        """The step state on the device, as the previous step would have left it:
+        positions ``start - 1``, kernel starts (0: every key from the first), and per
+        spec the padded page table with each row's lookahead page after its pages."""
+        self.uploads += 1
+        tables = []
+        for s, config in enumerate(rows.layout.specs):
+            ps = config.pool.page_size
+            stop = -(-(start + 1) // ps)  # pages listed after the step's reservation
+            ahead = np.flatnonzero(supply[s] >= 0)
+            width = int(max(stop.max(), (stop[ahead] + 1).max() if ahead.size else 0))
+            width = -(-width // self.bucket) * self.bucket
+            host = self._padded[s].update(rows.tables(s), start * 0, stop, width)
+            if ahead.size:
+                host = host.copy()  # (the kept table stays what its rows list)
+                host[ahead, stop[ahead]] = supply[s][ahead]
+            tables.append(mx.array(host))
+        return mx.array((start - 1).astype(np.int32)), mx.zeros(start.shape, dtype=mx.int32), tuple(tables)

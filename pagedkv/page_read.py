@@ -115,9 +115,6 @@ class PageRead:
         """The kernels' (lengths, starts): [lo, hi) in gathered columns, made once for
         every layer."""
         if not self._kernel_ranges:
-            self._kernel_ranges.extend(map(mx.array, self.kernel_range_values()))
+            self._kernel_ranges.extend((mx.array((self.hi - self.key_base).astype(np.int32)),
+                                        mx.array((self.lo - self.key_base).astype(np.int32))))
         return self._kernel_ranges
-
-    def kernel_range_values(self) -> tuple[np.ndarray, np.ndarray]:
-        """``kernel_ranges`` on the host: int32 numpy (lengths [B], starts [B])."""
-        return (self.hi - self.key_base).astype(np.int32), (self.lo - self.key_base).astype(np.int32)

@@ -186,11 +186,16 @@ class PagePool:
         """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
         return self._head_base + pages[None, :]
 
+    def device_rows(self, pages: mx.array) -> mx.array:
+        """``array_rows`` on the device: int32 [B, kv_heads, n] rows of ``pages`` (int32
+        [B, n]) in a layer array. Lazy: inside a compiled step it is part of the trace."""
+        return self._head_base_rows[None] + pages[:, None, :]
+
     def gather_index(self, table: mx.array) -> mx.array:
         """Flat int32 take-indices [B * kv_heads * width] into a layer array for
         ``gather``, from ``table`` (int32 [B, width] page ids, ``PageRead.table``). Lazy, on
         the device: no host work, and inside a compiled step it is part of the trace."""
-        return (self._head_base_rows[None] + table[:, None, :]).reshape(-1)
+        return self.device_rows(table).reshape(-1)
 
     # ------------------------------------------------------------------ read / write
     def check_kv(self, keys: mx.array, values: mx.array, rows: int | None = None) -> int:

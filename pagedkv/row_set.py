@@ -375,13 +375,19 @@ class RowSet:
         self._close_if_done()
         return start
 
-    def reserve_step(self, count: int) -> np.ndarray:
+    def reserve_step(self, count: int, supply: Sequence[np.ndarray] | None = None) -> np.ndarray:
         """A step's bookkeeping for every layer, without writing: pages reserved in every
         table (``PoolExhausted`` before anything changes) and every layer advanced by
         ``count`` tokens. The step stays open until ``finish_reserved``; in between the
         caller queues the step's writes itself (a compiled step,
         :mod:`pagedkv.compiled_decode`). Returns the rows' positions before the step.
-        Needs every layer at the same positions, and no recurrent layers."""
+        Needs every layer at the same positions, and no recurrent layers.
+
+        ``supply``: per table kind, int64 [B] page ids the caller holds (or -1), which a
+        row that needs one new page takes instead of an allocated one (``BatchAppend``'s
+        supply: the caller's reference passes to the table when the step closes; an undo
+        leaves it with the caller). Where a table kind's rows cannot append as one batch
+        (a shared last page to copy first), its supply is not used."""
         self.check_alive()
         if self.layout.state_slots:
             raise NotSupportedError("a reserved step has no recurrent (state) layers")
@@ -390,11 +396,13 @@ class RowSet:
         start = self.offsets[0].copy()
         if (self.offsets != start).any():
             raise KvShapeError("layers stand at different positions; a reserved step moves them together")
-        if any(t.num_tokens != p for ts in self._tables for t, p in zip(ts, start.tolist())):
+        if any(not np.array_equal(np.fromiter((t.num_tokens for t in ts), np.int64, len(ts)), start)
+               for ts in self._tables):
             raise NotSupportedError("a reserved step appends: the page tables must end where the layers stand")
         offsets, starts = self.offsets.copy(), self.step_starts.copy()
         try:
-            self._open_step(start, count, growing=list(range(len(self._tables))))  # (checked above)
+            self._open_step(start, count, growing=list(range(len(self._tables))), supply=supply,
+                            vouched=True)  # (checked above)
         except BaseException:
             self._abort_step()
             raise
@@ -507,7 +515,9 @@ class RowSet:
             t.prepare_write(int(s), count)
         self._changed()
 
-    def _open_step(self, start: np.ndarray, count: int, growing: list[int] | None = None) -> None:
+    def _open_step(self, start: np.ndarray, count: int, growing: list[int] | None = None,
+                   supply: Sequence[np.ndarray] | None = None, vouched: bool = False) -> None:
+        """``vouched``: the caller checked that every table is alive (``check_alive``)."""
         self._close_step()  # a step some layers never finished stands as it is
         if growing is None:  # the specs whose tables end at ``start`` (the caller may know)
             growing = [s for s, ts in enumerate(self._tables)
@@ -517,7 +527,9 @@ class RowSet:
         plans: list = []
         needs: list[tuple[PagePool, int]] = []
         for s in growing:
-            batch = BatchAppend.plan(self._tables[s], count, tokens=start)
+            batch = BatchAppend.plan(self._tables[s], count, tokens=start,
+                                     supply=None if supply is None else supply[s],
+                                     vouched=vouched and self.layout.specs[s].window is None)
             if batch is not None:
                 plans.append(batch)
                 needs.append((batch.pool, batch.num_new_pages))
@@ -594,13 +606,8 @@ class RowSet:
         change."""
         key = ("w", spec, start.tobytes(), count)
         hit = self._memo.get(key)
-        if hit is None:
-            hit = self._memo[key] = tuple(map(mx.array, self.write_slots(spec, start, count)))
-        return hit
-
-    def write_slots(self, spec: int, start: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-        """``write_index`` on the host, not memoised: int32 numpy (rows, slots), each
-        [B, kv_heads, count]."""
+        if hit is not None:
+            return hit
         pool = self.layout.specs[spec].pool
         ps, h = pool.page_size, pool.num_kv_heads
         pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
@@ -612,7 +619,8 @@ class RowSet:
             pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(tables, pos)])
         rows = pool.array_rows(pages).reshape(h, b, count).transpose(1, 0, 2)
         slots = np.broadcast_to((pos % ps)[:, None, :], (b, h, count))
-        return np.ascontiguousarray(rows, dtype=np.int32), np.ascontiguousarray(slots, dtype=np.int32)
+        hit = self._memo[key] = (mx.array(rows.astype(np.int32)), mx.array(slots.astype(np.int32)))
+        return hit
 
     def position_array(self, positions: np.ndarray) -> mx.array:
         """``positions`` (int [B]) as an int32 MLX array, memoised by value until the rows

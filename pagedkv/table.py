@@ -38,6 +38,7 @@ from pagedkv.errors import InvalidTypeError, InvalidValueError, ReleasedError, T
 from pagedkv.pool import PagePool
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
+_NO_SUPPLY = _NO_PAGES  # BatchAppend without supplied pages
 
 
 def _must_copy(alloc, page: int) -> bool:
@@ -355,30 +356,41 @@ class BatchAppend:
     and returns the new pages last first, so a LIFO free list is as it was; ``commit``
     has nothing to give up (no page was copied away from or dropped).
 
+    A caller that holds pages ahead of need (a compiled decode step's lookahead,
+    :mod:`pagedkv.compiled_decode`) passes them as ``supply``: int64 [B], a page id per
+    table or -1. A table that needs exactly one new page takes its supplied page instead
+    of an allocated one; the caller's reference becomes the table's when the step
+    commits, and ``undo`` takes the page off the table without freeing it (the caller
+    still holds it). The caller sees what was taken by the page ids the tables list.
+
     Ownership: the tables stay their owner's; the record holds the new page ids until
     the step closes. Costs: ``plan`` O(B) Python attribute reads plus one allocator
     query; ``apply`` one allocation and O(pages allocated).
     """
 
-    __slots__ = ("tables", "count", "need", "_tokens", "_listed", "_new")
+    __slots__ = ("tables", "count", "need", "_tokens", "_listed", "_new", "_supplied")
 
     def __init__(self, tables: list[PageTable], count: int, need: np.ndarray, tokens: np.ndarray,
-                 listed: np.ndarray) -> None:
+                 listed: np.ndarray, supplied: np.ndarray) -> None:
         self.tables, self.count = tables, count
         self.need = need  # int64 [B]: pages each table gets
         self._tokens, self._listed = tokens, listed
+        self._supplied = supplied  # int64 [B]: the supplied page each table takes, or -1
         self._new = _NO_PAGES
 
     @classmethod
-    def plan(cls, tables: list[PageTable], count: int, tokens: np.ndarray | None = None) -> BatchAppend | None:
-        """``tokens``: the tables' ``num_tokens`` as int64 [B], where the caller has them."""
+    def plan(cls, tables: list[PageTable], count: int, tokens: np.ndarray | None = None,
+             supply: np.ndarray | None = None, vouched: bool = False) -> BatchAppend | None:
+        """``tokens``: the tables' ``num_tokens`` as int64 [B], where the caller has them;
+        ``supply``: pages the caller holds for the tables (see the class doc);
+        ``vouched``: the caller has made sure the tables are live, of one pool and without
+        a window (a ``RowSet`` for a spec without one), so they are not checked again."""
         if not tables:
             return None
         pool = tables[0].pool
         ps, b = pool.page_size, len(tables)
-        for t in tables:
-            if t.window is not None or t._released or t.pool is not pool:
-                return None
+        if not vouched and any(t.window is not None or t._released or t.pool is not pool for t in tables):
+            return None
         if tokens is None:
             tokens = np.fromiter((t.num_tokens for t in tables), np.int64, b)
         listed = np.fromiter((t._n for t in tables), np.int64, b)
@@ -393,7 +405,9 @@ class BatchAppend:
             last = np.fromiter((tables[i]._pages[p] for i, p in zip(partial.tolist(), at)), np.int64, partial.size)
             if _any_must_copy(pool.allocator, last):
                 return None
-        return cls(tables, count, np.maximum(stop - listed, 0), tokens, listed)
+        need = np.maximum(stop - listed, 0)
+        supplied = _NO_SUPPLY if supply is None else np.where(need == 1, supply, -1)
+        return cls(tables, count, need, tokens, listed, supplied)
 
     @property
     def pool(self) -> PagePool:
@@ -401,14 +415,20 @@ class BatchAppend:
 
     @property
     def num_new_pages(self) -> int:
-        return int(self.need.sum())
+        """Pages to allocate (supplied pages not counted)."""
+        return int(self.need.sum()) - int((self._supplied >= 0).sum())
 
     def apply(self) -> None:
         total = self.num_new_pages
         if total:
             self._new = self.pool.allocator.allocate(total)  # atomic: raises before anything changes
+        if total or self._supplied.size:
+            supplied = self._supplied.tolist() if self._supplied.size else None
             at = 0
             for i in np.flatnonzero(self.need).tolist():
+                if supplied is not None and supplied[i] >= 0:
+                    self.tables[i]._append(self._supplied[i : i + 1])
+                    continue
                 n = int(self.need[i])
                 self.tables[i]._append(self._new[at : at + n])
                 at += n

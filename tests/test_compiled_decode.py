@@ -35,14 +35,15 @@ def snapshot(batch):
             batch.pool.allocator.num_available())
 
 
+@pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("pages", PAGE_KINDS)
-def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages):
+def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages, lookahead):
     model = make_model("llama")
     lengths = [5, 13, 30]
     eager_pool = make_pool("llama", page_size=4, num_pages=96, pages=pages)
     comp_pool = make_pool("llama", page_size=4, num_pages=96, pages=pages)
     eager, compiled = batch_of(model, eager_pool, lengths), batch_of(model, comp_pool, lengths)
-    step = CompiledDecode(model, compiled, bucket=2)   # small buckets: rows outgrow them, retraces
+    step = CompiledDecode(model, compiled, bucket=2, lookahead=lookahead)  # small buckets: retraces
     tok_e = tok_c = mx.array([[1], [2], [3]])
     for _ in range(12):  # crosses page boundaries of every row
         le = model(tok_e, cache=eager.caches)
@@ -52,9 +53,15 @@ def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages):
         tok_c = mx.argmax(lc[:, -1], axis=-1)[:, None]
         assert tok_e.tolist() == tok_c.tolist()
         e, c = snapshot(eager), snapshot(compiled)
-        assert (e[0] == c[0]).all() and (e[1] == c[1]).all() and len(e[2]) == len(c[2]) and e[3] == c[3]
+        held = step.lookahead_pages  # at most one per row (a row that took its page has none until the next copy)
+        assert held <= (len(lengths) if lookahead else 0)
+        assert (e[0] == c[0]).all() and (e[1] == c[1]).all() and len(e[2]) == len(c[2]) and e[3] == c[3] + held
         assert [len(p) for p in e[2]] == [len(p) for p in c[2]]
     assert 2 <= step.traces < 12
+    # with lookahead, the state goes to the device once a row has spent its lookahead
+    # page (every 4 steps here); without, whenever a row grows a page (its table changed)
+    assert step.uploads <= (5 if lookahead else 12)
+    assert step.release_lookahead() == held and step.lookahead_pages == 0
     # the compiled batch carries on eagerly, against mlx-lm's own cache per row
     last = model(tok_c, cache=compiled.caches)
     for row, n in enumerate(lengths):
@@ -143,3 +150,88 @@ def test_an_error_inside_the_step_undoes_its_reservation(monkeypatch):
     out = step(mx.array([3, 4]))  # and the compiled step traces afresh
     ref_next = model(mx.array([[3]]), cache=ref)
     assert mx.allclose(out[0], ref_next[0], atol=LOGITS_ATOL).item() and batch.lengths == [10, 7]
+
+
+def _twins(lengths, num_pages=96, lookahead=True):
+    """An eager batch and a compiled one over the same prompts, in pools of their own."""
+    model = make_model("llama")
+    eager = batch_of(model, make_pool("llama", page_size=4, num_pages=num_pages), lengths)
+    compiled = batch_of(model, make_pool("llama", page_size=4, num_pages=num_pages), lengths)
+    return model, eager, compiled, CompiledDecode(model, compiled, bucket=4, lookahead=lookahead)
+
+
+def _step_both(model, eager, step, tokens):
+    le = model(mx.array(tokens)[:, None], cache=eager.caches)
+    lc = step(mx.array(tokens))
+    assert mx.allclose(le, lc, atol=LOGITS_ATOL).item()
+    assert eager.lengths == step.batch.lengths
+    return mx.argmax(le[:, -1], axis=-1).tolist()
+
+
+def test_rows_that_change_between_steps_give_their_lookahead_back_and_still_match():
+    model, eager, compiled, step = _twins([5, 13, 30])
+    tok = [1, 2, 3]
+    for _ in range(2):
+        tok = _step_both(model, eager, step, tok)
+    assert step.lookahead_pages == 3  # (none of the rows crossed a page boundary yet)
+    for batch in (eager, compiled):  # a row leaves, another one joins
+        batch.filter([0, 2])
+        batch.extend(_prompt_row(model, batch.pool, 9))
+    tok = tok[0:1] + tok[2:3] + [4]
+    for _ in range(6):
+        tok = _step_both(model, eager, step, tok)
+    held = step.lookahead_pages
+    assert held <= 3 and step.uploads < 12
+    for batch in (eager, compiled):  # the user trims a token off every row between steps
+        for cache in batch.caches:
+            cache.trim(1)
+    for _ in range(3):
+        tok = _step_both(model, eager, step, tok)
+    eager.release()
+    compiled.release()
+    step.release_lookahead()
+    assert compiled.pool.allocator.num_available() == eager.pool.allocator.num_available()
+
+
+def _prompt_row(model, pool, n):
+    c = make_paged_cache(model, pool)
+    model(mx.array(prompt_of(n, seed=7))[None], cache=c)
+    return c
+
+
+def test_a_step_short_of_pages_gives_its_lookahead_back_instead_of_failing():
+    model, eager, compiled, step = _twins([7, 6], num_pages=12)
+    tok = _step_both(model, eager, step, [1, 2])  # both rows get a lookahead page
+    assert step.lookahead_pages == 2
+    for batch in (eager, compiled):  # a row leaves; someone else takes every free page
+        batch.filter([0])
+        while batch.pool.allocator.num_available() > (step.lookahead_pages if batch is eager else 0):
+            batch.pool.allocator.allocate(1)
+    # row 0 needs a page now: the pool has none but the two the compiled step holds
+    tok = _step_both(model, eager, step, tok[:1])
+    assert step.lookahead_pages == 0  # given back to serve the step, none taken again
+    assert compiled.pool.allocator.num_available() == eager.pool.allocator.num_available() == 1
+    for _ in range(7):  # positions 9..15: the last free page at 12
+        tok = _step_both(model, eager, step, tok)
+    with pytest.raises(PoolExhausted):  # and out of pages for real at 16, both sides alike
+        step(mx.array(tok))
+    with pytest.raises(PoolExhausted):
+        model(mx.array(tok)[:, None], cache=eager.caches)
+    assert compiled.lengths == eager.lengths == [16]
+
+
+def test_dropping_the_step_gives_its_lookahead_pages_back():
+    import gc
+
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=32)
+    batch = batch_of(model, pool, [4, 9])
+    free = pool.allocator.num_available()
+    step = CompiledDecode(model, batch)
+    step(mx.array([1, 2]))
+    assert step.lookahead_pages == 2 and pool.allocator.num_available() == free - 1 - 2  # row 0 grew a page
+    del step
+    gc.collect()
+    assert pool.allocator.num_available() == free - 1
+    with pytest.raises(InvalidTypeError):
+        CompiledDecode(model, batch, lookahead=1)

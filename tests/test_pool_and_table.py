@@ -295,6 +295,29 @@ def test_a_batch_append_gives_every_table_the_pages_of_its_own_append_and_undo_p
     alloc.check()
 
 
+def test_a_batch_append_takes_supplied_pages_and_an_undo_leaves_them_with_the_supplier():
+    lengths = [3, 4, 0, 8]  # partial page (needs none), boundary, empty, boundary
+    pool = pool_of(num_pages=32)
+    tables, alloc = tables_at(pool, lengths), pool.allocator
+    held = alloc.allocate(2)  # the supplier's pages for rows 1 and 2; row 3 gets none
+    supply = np.array([held[0], held[0], held[1], -1], dtype=np.int64)  # row 0 needs no page: unused
+    before = ([t.pages.tolist() for t in tables], alloc.num_free(), alloc.refcount(int(held[0])))
+    batch = BatchAppend.plan(tables, 1, supply=supply)
+    assert batch.num_new_pages == 1  # row 3 alone is allocated one
+    batch.apply()
+    assert tables[1].pages.tolist()[-1] == held[0] and tables[2].pages.tolist() == [held[1]]
+    assert alloc.num_free() == before[1] - 1 and alloc.refcount(int(held[0])) == 1  # taken, not counted twice
+    batch.undo()
+    assert ([t.pages.tolist() for t in tables], alloc.num_free(), alloc.refcount(int(held[0]))) == before
+    batch = BatchAppend.plan(tables, 1, supply=supply)
+    batch.apply()
+    batch.commit()  # the tables own the supplied pages now: releasing them frees them
+    for t in tables:
+        t.release()
+    alloc.check()
+    assert alloc.num_in_use() == 0
+
+
 def test_a_batch_append_that_cannot_get_its_pages_changes_nothing():
     pool = pool_of(num_pages=4)  # the null page and 3 pages
     tables = tables_at(pool, [4, 4, 4])

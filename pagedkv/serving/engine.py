@@ -378,6 +378,8 @@ class Engine:
         except PoolExhausted:
             self._drop_prefill(job)
             self.waiting.appendleft(req)
+            if self._compiled is not None:  # its lookahead pages serve the next try
+                self._compiled.release_lookahead()
             return 0
         except BaseException:
             self._drop_prefill(job)
@@ -496,6 +498,8 @@ class Engine:
         self.batch.filter(keep)
         self.running = [self.running[i] for i in keep]
         self._pending = [self._pending[i] for i in keep]
+        if not keep and self._compiled is not None:  # idle: every page back in the pool
+            self._compiled.release_lookahead()
 
     def _update_gauges(self) -> None:
         self.metrics.scheduler(len(self.running) + len(self.prefilling), len(self.waiting), self.pool.allocator.stats(),
