@@ -40,15 +40,17 @@ that lacks one). A batch decodes about ``page_size`` steps per copy instead of o
 
 Lookahead pages belong to this object (one allocator reference each) until a step takes
 one into a row's table. It takes them only while at least as many pages stay free in the
-pool, gives them all back when the batch's rows change (``extend``, ``keep_rows``...)
-or when a step would otherwise run out of pages (retried without them), and on
-``release_lookahead()`` or garbage collection. While held they count as in use in the
-pool's stats (``lookahead_pages`` says how many); taking one may evict a cached page
-``page_size`` steps before the row would have. ``lookahead=False`` holds none: then a
-table is copied in every step where a row grows a page.
+pool, and gives them all back at the first step after the batch's rows change
+(``extend``, ``filter``...), when a step would otherwise run out of pages (retried
+without them), when a step finds the batch released, and on ``release_lookahead()``
+(call it when the batch goes idle) or garbage collection. While held
+they count as in use in the pool's stats (``lookahead_pages`` says how many); taking one
+may evict a cached page ``page_size`` steps before the row would have. ``lookahead=False``
+holds none: then a table is copied in every step where a row grows a page.
 
 Everything that varies per step is an input, so the trace is reused until the batch
-size, the token dtype or a table's bucketed width changes (``traces`` counts them).
+size, the token dtype or a table's bucketed width changes (``traces`` counts them;
+``uploads`` counts the steps that copied their state to the device).
 The pools' arrays are the compiled function's state (``PagePool.compile_state``): MLX
 feeds them in and puts the written arrays back, donated, so writes stay in place.
 
@@ -82,6 +84,7 @@ from pagedkv.errors import (
     KvShapeError,
     NotSupportedError,
     PoolExhausted,
+    ReleasedError,
     check_int,
 )
 from pagedkv.kernels import paged_decode
@@ -219,7 +222,11 @@ class CompiledDecode:
         """One decode step: ``tokens`` int [B] or [B, 1]; returns the model's logits
         [B, 1, vocab] (see the module doc)."""
         rows = self.batch.rows
-        rows.check_alive()
+        try:
+            rows.check_alive()
+        except ReleasedError:
+            self.release_lookahead()  # the rows are gone: so is the need for their pages
+            raise
         if not isinstance(tokens, mx.array):
             raise InvalidTypeError(f"tokens must be an mx.array, got {type(tokens).__name__}")
         if not mx.issubdtype(tokens.dtype, mx.integer):

@@ -15,6 +15,7 @@ from pagedkv import (
     PagedBatch,
     PagePool,
     PoolExhausted,
+    ReleasedError,
     StatePool,
     make_paged_cache,
 )
@@ -235,3 +236,16 @@ def test_dropping_the_step_gives_its_lookahead_pages_back():
     assert pool.allocator.num_available() == free - 1
     with pytest.raises(InvalidTypeError):
         CompiledDecode(model, batch, lookahead=1)
+
+
+def test_a_step_on_a_released_batch_raises_and_gives_the_lookahead_back():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=32)
+    batch = batch_of(model, pool, [4, 9])
+    step = CompiledDecode(model, batch)
+    step(mx.array([1, 2]))
+    assert step.lookahead_pages == 2
+    batch.release()
+    with pytest.raises(ReleasedError):
+        step(mx.array([1, 2]))
+    assert step.lookahead_pages == 0 and pool.allocator.num_available() == 31  # every page but the null one

@@ -6,6 +6,7 @@ import pytest
 from tiny_models import PAGE_KINDS, codecs_for
 
 from pagedkv import (
+    InvalidValueError,
     KvDTypeError,
     KvShapeError,
     NotSupportedError,
@@ -308,6 +309,14 @@ def test_a_batch_append_takes_supplied_pages_and_an_undo_leaves_them_with_the_su
     assert tables[1].pages.tolist()[-1] == held[0] and tables[2].pages.tolist() == [held[1]]
     assert alloc.num_free() == before[1] - 1 and alloc.refcount(int(held[0])) == 1  # taken, not counted twice
     batch.undo()
+    assert ([t.pages.tolist() for t in tables], alloc.num_free(), alloc.refcount(int(held[0]))) == before
+    other = int(alloc.allocate(1)[0])
+    alloc.incref([other])  # two holders: not the supplier's alone
+    for bad in (supply[:3], supply.astype(np.float64), np.array([-1, held[0], held[0], -1]),
+                np.array([-1, other, -1, -1]), np.array([-1, 31, -1, -1])):  # 31: a free page
+        with pytest.raises(InvalidValueError):
+            BatchAppend.plan(tables, 1, supply=bad)
+    alloc.decref([other, other])
     assert ([t.pages.tolist() for t in tables], alloc.num_free(), alloc.refcount(int(held[0]))) == before
     batch = BatchAppend.plan(tables, 1, supply=supply)
     batch.apply()
