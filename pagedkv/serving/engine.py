@@ -286,6 +286,8 @@ class Engine:
         self._pending.clear()
         self._ids.clear()
         self.batch.release()
+        if self._compiled is not None:  # (its step holds lookahead pages until told)
+            self._compiled.release_lookahead()
         self._new_batch()
         self._update_gauges()
 
