@@ -90,6 +90,7 @@ from pagedkv.errors import (
 from pagedkv.kernels import paged_decode
 from pagedkv.padded_page_table import PaddedPageTable
 from pagedkv.table import PageTable
+from pagedkv.visibility import page_span
 
 
 class _StepLayer:
@@ -167,7 +168,8 @@ class CompiledDecode:
         # per spec: each row's lookahead page (-1: none), this object's references. The
         # list is the finaliser's too, so entries are replaced in place, never the list.
         self._supply = [np.full(0, -1, dtype=np.int64) for _ in specs]
-        self._finalizer = weakref.finalize(self, _give_back, [spec.pool.allocator for spec in specs], self._supply)
+        self._allocators = [spec.pool.allocator for spec in specs]  # (per spec, as the supply)
+        self._finalizer = weakref.finalize(self, _give_back, self._allocators, self._supply)
         # the device step state of the last step: (positions, starts, tables), the rows'
         # positions it stands for, and per spec the tables and their versions it holds
         self._device: tuple | None = None
@@ -197,7 +199,7 @@ class CompiledDecode:
         """Give every lookahead page back to its pool; returns how many. The next step
         copies its state to the device again (and takes new ones)."""
         n = self.lookahead_pages
-        _give_back([spec.pool.allocator for spec in self.batch.rows.layout.specs], self._supply)
+        _give_back(self._allocators, self._supply)
         self._device = None
         return n
 
@@ -252,9 +254,11 @@ class CompiledDecode:
         # the pool's lists as they are: a trace that fails leaves placeholders in them
         arrays = [(arrs, list(arrs)) for state in self._state for part in state for arrs in part]
         taken = [self._taken(rows, s, start) if supply is not None else [] for s in specs]
+        # the tables' versions after the reservation (closing the step leaves them)
+        versions = [[t.version for t in rows.tables(s)] for s in specs]
         fresh: list = []  # lookahead pages this call took: given back if it fails
         try:
-            device = self._device if same_rows and self._holds(rows, start, taken) else None
+            device = self._device if same_rows and self._holds(start, versions, taken) else None
             if device is None:
                 kept = self._supply if supply is not None else [np.full(rows.num_rows, -1, np.int64) for _ in specs]
                 next_supply = [ids.copy() for ids in kept]
@@ -271,20 +275,19 @@ class CompiledDecode:
                 arrs[:] = kept_arrays
             for s, ids in reversed(list(enumerate(fresh))):
                 if ids.size:
-                    rows.layout.specs[s].pool.allocator.decref(ids[::-1].copy())
+                    self._allocators[s].decref(ids[::-1].copy())
             rows.finish_reserved(ok=False)
             raise
         rows.finish_reserved(ok=True)
         if supply is None:  # the rows changed: the old rows' lookahead goes back
-            _give_back([rows.layout.specs[s].pool.allocator for s in specs], self._supply)
+            _give_back(self._allocators, self._supply)
         for s in specs:
             if next_supply is not None:
                 self._supply[s] = next_supply[s]
             else:
                 self._supply[s][taken[s]] = -1
-            tables = rows.tables(s)
-            self._seen[s] = list(tables)
-            self._versions[s] = [t.version for t in tables]
+            self._seen[s] = list(rows.tables(s))
+        self._versions = versions
         self._device = (positions, device[1], device[2])
         self._expect = start + 1
         return logits
@@ -298,14 +301,13 @@ class CompiledDecode:
                 if supply[i] >= 0 and tables[i].num_pages > start[i] // ps
                 and tables[i].page_at(int(start[i]) // ps) == supply[i]]
 
-    def _holds(self, rows, start: np.ndarray, taken: list[list[int]]) -> bool:
+    def _holds(self, start: np.ndarray, versions: list[list[int]], taken: list[list[int]]) -> bool:
         """Whether the device state of the last step is this step's, advanced by one:
-        the rows one position on, and their pages changed only by taken lookahead
-        pages (which the device tables list already)."""
+        the rows one position on, and their pages (``versions``, per spec) changed only
+        by taken lookahead pages (which the device tables list already)."""
         if self._device is None or not np.array_equal(start, self._expect):
             return False
-        for s, was in enumerate(self._versions):
-            now = [t.version for t in rows.tables(s)]
+        for s, (now, was) in enumerate(zip(versions, self._versions)):
             if now != was:
                 changed = [i for i, (a, b) in enumerate(zip(now, was)) if a != b]
                 if changed != taken[s] or any(now[i] != was[i] + 1 for i in changed):
@@ -316,7 +318,7 @@ class CompiledDecode:
         """Give every row of ``spec`` without a lookahead page one, in place, if the
         pool keeps at least as many pages free; returns the pages taken."""
         lacking = np.flatnonzero(ids < 0)
-        alloc = self.batch.rows.layout.specs[spec].pool.allocator
+        alloc = self._allocators[spec]
         if lacking.size == 0 or alloc.num_available() < 2 * lacking.size:
             return np.empty(0, dtype=np.int64)
         new = np.asarray(alloc.allocate(int(lacking.size)), dtype=np.int64)
@@ -330,12 +332,12 @@ class CompiledDecode:
         self.uploads += 1
         tables = []
         for s, config in enumerate(rows.layout.specs):
-            ps = config.pool.page_size
-            stop = -(-(start + 1) // ps)  # pages listed after the step's reservation
+            # every key from the first: pages [0, stop) are listed after the reservation
+            first, stop, width = page_span(start * 0, start + 1, config.pool.page_size)
             ahead = np.flatnonzero(supply[s] >= 0)
-            width = int(max(stop.max(), (stop[ahead] + 1).max() if ahead.size else 0))
+            width = max(width, int((stop[ahead] + 1).max()) if ahead.size else 0)
             width = -(-width // self.bucket) * self.bucket
-            host = self._padded[s].update(rows.tables(s), start * 0, stop, width)
+            host = self._padded[s].update(rows.tables(s), first, stop, width)
             if ahead.size:
                 host = host.copy()  # (the kept table stays what its rows list)
                 host[ahead, stop[ahead]] = supply[s][ahead]

@@ -38,7 +38,6 @@ from pagedkv.errors import InvalidTypeError, InvalidValueError, ReleasedError, T
 from pagedkv.pool import PagePool
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
-_NO_SUPPLY = _NO_PAGES  # BatchAppend without supplied pages
 
 
 def _must_copy(alloc, page: int) -> bool:
@@ -427,7 +426,7 @@ class BatchAppend:
             if _any_must_copy(pool.allocator, last):
                 return None
         need = np.maximum(stop - listed, 0)
-        supplied = _NO_SUPPLY if supply is None else _check_supply(pool.allocator, need, supply)
+        supplied = _NO_PAGES if supply is None else _check_supply(pool.allocator, need, supply)
         return cls(tables, count, need, tokens, listed, supplied)
 
     @property
