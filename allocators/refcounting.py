@@ -353,6 +353,16 @@ class RefCountingAllocator:
         else:
             self._give_free(page)
 
+    def set_cacheable_page(self, page: int) -> None:
+        """``set_cacheable([page])`` for one IN_USE page: kept CACHED when its count
+        reaches 0. O(1); ``InvalidPage``/``RefCountError``/``InvalidArgumentType`` (nothing
+        changes) for a page that is not an int in range or not IN_USE."""
+        if page.__class__ is not int or not 0 <= page < self._n or self._rc[page] <= 0:
+            self.set_cacheable([page])  # (the checked path says what is wrong, or handles a numpy int)
+            return
+        self._cacheable_b[page] = 1
+        self._caching = True
+
     # ------------------------------------------------------------------ batched
     def allocate(self, n: int) -> np.ndarray:
         """Hand out ``n`` pages, each with reference count 1, as an int64 array.

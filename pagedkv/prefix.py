@@ -114,6 +114,7 @@ class PrefixCache:
         self._next_node = 1
         pool.allocator.evict_listeners.append(self._forget)
         self._set_cacheable = pool.allocator.set_cacheable
+        self._set_cacheable_page = getattr(pool.allocator, "set_cacheable_page", None) or self._one_cacheable
         self._queries = self._query_tokens = self._hit_tokens = self._hit_pages = self._evictions = 0
         self._disk_hit_pages = 0
 
@@ -140,6 +141,10 @@ class PrefixCache:
                 raise InvalidValueError("these PrefixKeys were made by another PrefixCache")
             return tokens
         return self.keys(tokens)
+
+    def _one_cacheable(self, page: int) -> None:
+        """``set_cacheable_page`` for an allocator that has only ``set_cacheable``."""
+        self._set_cacheable([page])
 
     def _forget(self, ids: list[int]) -> None:
         """Evict listener: drop the keys of evicted pages (after queuing them for the
@@ -386,11 +391,10 @@ class PrefixCache:
         if len(pages) == 1 and keys.__class__ is PrefixKeys and self.disk is None and first.__class__ is int:
             # one page that just filled (a decode step), in as few steps as it takes
             page, nodes, chunks = pages[0], keys.nodes, keys.pages
-            if (keys.owner is self and page.__class__ is int and 0 <= page < self._num_pages
-                    and 0 <= first <= len(nodes) and first < len(chunks)):
+            if keys.owner is self and page.__class__ is int and 0 <= first <= len(nodes) and first < len(chunks):
                 key = (nodes[first - 1] if first else keys.root, chunks[first])
                 if key not in self._by_key and page not in self._key_of_page:  # new content
-                    self._set_cacheable([page])  # may refuse (a page not held): nothing has changed yet
+                    self._set_cacheable_page(page)  # may refuse (a page not held): nothing has changed yet
                     node = self._next_node
                     self._next_node = node + 1
                     self._by_key[key] = page
@@ -424,37 +428,54 @@ class PrefixCache:
         n = len(pages)
         if n != len(keys):
             raise InvalidValueError(f"{n} pages for {len(keys)} sequences")
-        by_key, key_of = self._by_key, self._key_of_page
-        next_keys = []
-        if pages.__class__ is list and self.disk is None:
-            # The common case in one pass: int ids, our keys, content not cached yet.
-            # Anything else leaves the loop early, and the general path sorts it out.
+        if pages.__class__ is list and self.disk is None and n:
+            # The common case (int ids, our keys, content not cached yet), filed as it is
+            # checked, in one pass over cold keys and maps. Anything else stops the pass,
+            # which is undone; the general path then sorts it out. Filing as we go also
+            # catches repeats: a page listed twice is in ``key_of`` the second time, the
+            # same content twice is in ``by_key``, and a sequence listed twice has a node
+            # made in this call (nodes are serials, so one ``>= first``).
+            by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
+            node = first = self._next_node
+            num_pages = self._num_pages
             for page, k in zip(pages, keys):
-                if page.__class__ is not int or k.__class__ is not PrefixKeys or k.owner is not self or page in key_of:
+                if (page.__class__ is not int or not 0 <= page < num_pages or k.__class__ is not PrefixKeys
+                        or k.owner is not self or page in key_of):
                     break
                 nodes, chunks = k.nodes, k.pages
                 m = len(nodes)
                 if m >= len(chunks):
                     break
-                key = (nodes[-1] if m else k.root, chunks[m])
+                parent = nodes[-1] if m else k.root
+                if parent >= first:
+                    break
+                key = (parent, chunks[m])
                 if key in by_key:
                     break
-                next_keys.append(key)
-        if len(next_keys) != n or (n > 1 and (len(set(pages)) != n or len(set(next_keys)) != n)):
-            return self._register_next_general(pages, keys)
-        if not n:
+                by_key[key] = page
+                key_of[page] = key
+                node_of[page] = node
+                nodes.append(node)
+                node += 1
+            else:
+                try:
+                    self._set_cacheable(pages)  # checks that each page is in range and held
+                except BaseException:
+                    self._unfile_next(pages, keys, n)
+                    raise
+                self._next_node = node
+                return n
+            self._unfile_next(pages, keys, node - first)
+        elif not n:
             return 0
-        self._set_cacheable(pages)  # checks that each page is in range and held; nothing has changed yet
-        node = self._next_node
-        self._next_node = node + n
-        node_of = self._node_of_page
-        for page, k, key in zip(pages, keys, next_keys):
-            by_key[key] = page
-            key_of[page] = key
-            node_of[page] = node
-            k.nodes.append(node)
-            node += 1
-        return n
+        return self._register_next_general(pages, keys)
+
+    def _unfile_next(self, pages: list[int], keys: Sequence[PrefixKeys], done: int) -> None:
+        """Undo the first ``done`` items of ``register_next``'s one pass."""
+        by_key, key_of = self._by_key, self._key_of_page
+        for j in range(done):
+            del by_key[key_of.pop(pages[j])]
+            keys[j].nodes.pop()
 
     def _register_next_general(self, pages: Sequence[int], keys: Sequence[PrefixKeys]) -> int:
         """``register_next`` checked item by item: numpy ids, a disk tier, content that is

@@ -49,7 +49,8 @@ class PrefixKeys:
         self.nodes: list[int] = []
         self.num_tokens = 0
         self._tail = b""  # tokens after the last full page
-        self.extend(tokens)
+        if tokens.__class__ not in (list, tuple) or tokens:  # (no tokens yet: nothing to cut)
+            self.extend(tokens)
 
     @property
     def num_full_pages(self) -> int:

@@ -67,6 +67,12 @@ def test_a_user_allocator_serves_caching_with_prefix_hits_and_eviction_listeners
         # every listener heard of the evictions: the prefix cache forgot exactly those pages
         assert evicted and first.stats().registered_pages == registered - len(evicted) == alloc.num_cached()
         assert second.stats().registered_pages == 0 and len(alloc.evict_listeners) == 3
+    # one page (a decode step's): the protocol has no set_cacheable_page, so set_cacheable marks it
+    keys = second.keys(prompt_of(8, seed=5))
+    (page,) = alloc.allocate(1).tolist()
+    assert second.register_pages([page], keys) == 1 and alloc.is_cacheable(page)
+    alloc.decref([page])
+    assert second.match(prompt_of(8, seed=5) + [0]) == [page]
     alloc.check()
 
 

@@ -139,6 +139,13 @@ class AllocatorModel(RuleBasedStateMachine):
                 if page in self.lru:
                     self.lru.remove(page)
 
+    @precondition(lambda self: self.rc)
+    @rule(data=st.data())
+    def set_cacheable_page(self, data):
+        page = data.draw(st.sampled_from(self._in_use()))
+        self.a.set_cacheable_page(page)
+        self.cacheable.add(page)
+
     @precondition(lambda self: self.lru)
     @rule(data=st.data())
     def touch(self, data):

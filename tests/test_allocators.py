@@ -296,12 +296,29 @@ def test_one_page_calls_refuse_bad_input_and_change_nothing(make):
         with pytest.raises(error):
             a.decref_page(bad)
         assert (a.stats(), a._refcount.tobytes(), a._state.tobytes()) == before
+    for bad, error in ((0, InvalidPage), (4, InvalidPage), (-1, InvalidPage), (1.0, InvalidArgument),
+                       (True, InvalidArgument), (page + 1, RefCountError)):
+        with pytest.raises(error):
+            a.set_cacheable_page(bad)
+        assert (a.stats(), a._refcount.tobytes(), a._state.tobytes(), a._cacheable.tobytes()) == before + (bytes(4),)
     a.decref_page(np.int64(page))  # numpy ints are page ids too
     assert a.num_free() == 3
     a.allocate(3)
     with pytest.raises(PoolExhausted):
         a.allocate_page()
     a.check()
+
+
+def test_set_cacheable_page_keeps_the_page_cached_as_set_cacheable_does(make):
+    one, many = make(4), make(4)
+    for a, mark in ((one, lambda a, p: a.set_cacheable_page(p)), (many, lambda a, p: a.set_cacheable([p]))):
+        p, q = a.allocate_page(), a.allocate_page()
+        mark(a, p)
+        mark(a, np.int64(q))  # numpy ints too
+        a.decref([q, p])
+        assert a.cached_pages() == [q, p] and a.is_cacheable(p)
+        a.check()
+    assert snapshot(one) == snapshot(many)
 
 
 def test_the_lru_log_keeps_order_and_stays_bounded_through_many_cache_and_revive_cycles(make):

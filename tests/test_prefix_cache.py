@@ -285,7 +285,11 @@ def test_a_refused_register_next_files_nothing():
     prefix.register_pages(pool.allocator.allocate(1).tolist(), short)
     freed = pool.allocator.allocate(1).tolist()
     pool.allocator.decref(freed)
-    before = (dict(prefix._by_key), [list(k1.nodes), list(k2.nodes)], prefix.stats(), pool.allocator.stats())
+    def state():
+        return (dict(prefix._by_key), dict(prefix._key_of_page), [list(k1.nodes), list(k2.nodes)], prefix.stats(),
+                pool.allocator.stats(), [pool.allocator.is_cacheable(p) for p in p1 + p2])
+
+    before = state()
     for pages, keys, error in (
         ([p1[1]], [k1, k2], ValueError),  # one page for two sequences
         ([p1[1], p1[1]], [k1, k2], ValueError),  # a page twice
@@ -295,12 +299,14 @@ def test_a_refused_register_next_files_nothing():
         ([p1[1], 10**6], [k1, k2], ValueError),  # a page out of the pool
         ([p1[1], 1.0], [k1, k2], TypeError),
         ([p1[1], freed[0]], [k1, k2], ValueError),  # a page nobody holds (RefCountError)
+        ([p1[1], -1], [k1, k2], ValueError),  # (negative ids must not wrap to the pool's end)
     ):
         with pytest.raises(error):
             prefix.register_next(pages, keys)
+        assert state() == before
     with pytest.raises(ValueError):
         prefix.register_next([p1[1], p2[1]], [k1, short])  # short has no full page after its first
-    assert (dict(prefix._by_key), [k1.nodes, k2.nodes], prefix.stats(), pool.allocator.stats()) == before
+    assert state() == before
     assert prefix.register_next([p1[1], p2[1]], [k1, k2]) == 2
 
 
