@@ -17,6 +17,13 @@ references the old array when the scatter runs. Two things do, in practice:
   array with nothing in between did copy in an earlier micro-benchmark; turn it on if a
   profile shows a layer-sized jump in peak memory per write.
 
+  A one-layer pool written every ~100 us (write, fetch, evaluate, 200 times; nothing
+  else in between) still copies now and then on that GPU: its whole array, in 9 of 12
+  runs 2-3 times per 200 writes, and with a synchronise after every step in 1 of 12
+  runs once. MLX's CUDA backend lets go of a finished step's buffers on a worker thread,
+  so a write that follows the evaluation that closely can find its array still
+  referenced. A model's layer is written once per step, a whole forward pass apart.
+
 One instance per pool; a *group* is whatever the pool writes together (a layer's K/V
 arrays, a recurrent layer's state arrays). O(live reads) per write.
 """

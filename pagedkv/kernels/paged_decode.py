@@ -31,6 +31,7 @@ shared memory per block is ``Pipeline.shared_bytes``.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import attrs
@@ -206,24 +207,28 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
         raise ValueError(f"{pipeline} needs {shared} bytes of shared memory per block at D={d}, "
                          f"REP={rep}; a block may use {MAX_SHARED_BYTES}")
     part_acc, part_ml = _kernel("mma" if mma else "fma", shared)(
-        inputs=[q.reshape(b * hq, d), k_pool, v_pool, table, lengths, starts,
+        inputs=[q, k_pool, v_pool, table, lengths, starts,  # (q as it is: the kernel reads it flat)
                 scale_array(scale), dims],
         template=template, grid=(b * hkv * s * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(b * hq * s * d,), (b * hq * s * 2,)], output_dtypes=[mx.float32, mx.float32],
         **init,
     )
-    return merge_splits(part_acc, part_ml, dims, q.dtype, d, b * hq, poison).reshape(b, hq, 1, d)
+    return merge_splits(part_acc, part_ml, dims, q.dtype, q.shape, poison)
 
 
-def merge_splits(part_acc: mx.array, part_ml: mx.array, dims: mx.array, dtype: mx.Dtype, d: int,
-                 rows: int, poison: bool = False) -> mx.array:
-    """Pass 2: merge ``dims[0]`` splits' partials of ``rows`` query rows (row-major
+def merge_splits(part_acc: mx.array, part_ml: mx.array, dims: mx.array, dtype: mx.Dtype,
+                 shape: tuple[int, ...], poison: bool = False) -> mx.array:
+    """Pass 2: merge ``dims[0]`` splits' partials of the query rows (row-major
     [rows, splits, D] accumulators and [rows, splits, 2] (max, sum), exp2 domain) into
-    [rows * D] outputs of ``dtype``. The prefill kernel writes the same partials."""
+    the output of ``dtype`` and ``shape`` ([..., D], rows = the product of the rest; it
+    is the queries' shape, written flat, so no reshape follows). The prefill kernel
+    writes the same partials."""
     init = {"init_value": float("nan")} if poison else {}
+    d = shape[-1]
+    rows = math.prod(shape[:-1])
     (out,) = _kernel("merge")(
         inputs=[part_acc, part_ml, dims], template=[("T", dtype), ("D", d)],
         grid=(rows * min(d, 128), 1, 1), threadgroup=(min(d, 128), 1, 1),
-        output_shapes=[(rows * d,)], output_dtypes=[dtype], **init,
+        output_shapes=[tuple(shape)], output_dtypes=[dtype], **init,
     )
     return out

@@ -132,7 +132,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     dims = paged_decode.dims_array(s, lq, w, num_pages, window or 0)
     init = {"init_value": float("nan")} if poison else {}
     part_acc, part_ml = _kernel(d, tiling)(
-        inputs=[q.reshape(b * hq * lq, d), k_pool, v_pool, table, lengths, starts,
+        inputs=[q, k_pool, v_pool, table, lengths, starts,
                 paged_decode.scale_array(scale), dims],
         template=[("T", q.dtype), ("D", d), ("PS", page_size), ("HKV", hkv), ("REP", rep),
                   ("WARPS", WARPS), ("MT", tiling.m_tiles), ("BN", tiling.keys)],
@@ -140,5 +140,4 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
         output_shapes=[(b * hq * lq * s * d,), (b * hq * lq * s * 2,)],
         output_dtypes=[mx.float32, mx.float32], **init,
     )
-    return paged_decode.merge_splits(part_acc, part_ml, dims, q.dtype, d, b * hq * lq,
-                                     poison).reshape(b, hq, lq, d)
+    return paged_decode.merge_splits(part_acc, part_ml, dims, q.dtype, q.shape, poison)
