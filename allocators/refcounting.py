@@ -354,9 +354,10 @@ class RefCountingAllocator:
             self._give_free(page)
 
     def set_cacheable_page(self, page: int) -> None:
-        """``set_cacheable([page])`` for one IN_USE page: kept CACHED when its count
-        reaches 0. O(1); ``InvalidPage``/``RefCountError``/``InvalidArgumentType`` (nothing
-        changes) for a page that is not an int in range or not IN_USE."""
+        """``set_cacheable([page])``, without building a list: the page (IN_USE or
+        CACHED) is kept CACHED when its count reaches 0. O(1); the same typed errors as
+        ``set_cacheable``, and nothing changes, for an id that is not an int in range or
+        a page that is neither IN_USE nor CACHED."""
         if page.__class__ is not int or not 0 <= page < self._n or self._rc[page] <= 0:
             self.set_cacheable([page])  # (the checked path says what is wrong, or handles a numpy int)
             return

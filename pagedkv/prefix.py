@@ -473,9 +473,9 @@ class PrefixCache:
     def _unfile_next(self, pages: list[int], keys: Sequence[PrefixKeys], done: int) -> None:
         """Undo the first ``done`` items of ``register_next``'s one pass."""
         by_key, key_of = self._by_key, self._key_of_page
-        for j in range(done):
-            del by_key[key_of.pop(pages[j])]
-            keys[j].nodes.pop()
+        for page, k in islice(zip(pages, keys), done):
+            del by_key[key_of.pop(page)]
+            k.nodes.pop()
 
     def _register_next_general(self, pages: Sequence[int], keys: Sequence[PrefixKeys]) -> int:
         """``register_next`` checked item by item: numpy ids, a disk tier, content that is

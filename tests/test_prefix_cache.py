@@ -310,6 +310,19 @@ def test_a_refused_register_next_files_nothing():
     assert prefix.register_next([p1[1], p2[1]], [k1, k2]) == 2
 
 
+def test_register_next_refuses_a_sequence_listed_twice_though_it_has_pages_to_file():
+    """Listed twice, a sequence with two more full pages could take both in one call;
+    the call refuses instead (one page per sequence and step) and files nothing."""
+    pool = make_pool("llama", page_size=PS, num_pages=32)
+    prefix = PrefixCache(pool)
+    ((keys, pages),) = _decoded(prefix, pool, [prompt_of(4 * PS, seed=7)])
+    before = (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), pool.allocator.stats())
+    with pytest.raises(ValueError):
+        prefix.register_next([pages[1], pages[2]], [keys, keys])
+    assert (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), pool.allocator.stats()) == before
+    assert [prefix.register_next([p], [keys]) for p in pages[1:]] == [1, 1, 1]
+
+
 def test_a_refused_one_page_register_pages_files_nothing():
     """The one-page path of register_pages (a decode step's page) refuses what the
     general path refuses, before any change."""
