@@ -439,6 +439,8 @@ class PrefixCache:
             node = first = self._next_node
             num_pages = self._num_pages
             for page, k in zip(pages, keys):
+                # (the range is checked here although set_cacheable checks it again below:
+                # node_of is written first, and a negative id would wrap to the pool's end)
                 if (page.__class__ is not int or not 0 <= page < num_pages or k.__class__ is not PrefixKeys
                         or k.owner is not self or page in key_of):
                     break
