@@ -27,6 +27,7 @@ the same K/V; fp16 rounding can flip a near-tie).
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 from pathlib import Path
@@ -47,21 +48,29 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     rng = np.random.default_rng(1)
     first = mx.array(rng.integers(0, 32000, (len(lengths), 1)).astype(np.int32))
     out = {}
-    mx.random.seed(5)
-    ref, batch = filled(model, lengths, steps + 4, dtype)
-    mx.random.seed(5)
-    _, twin = filled(model, lengths, steps + 4, dtype)  # the same K/V, for the compiled side
-    for caches in (batch.caches, ref):  # warm-up (kernels compile), then back to the start
-        generate(model, caches, first, 2)
+    queued = {}  # --pipelined: median ms of each side's mx.async_eval
+    gc.collect()  # (a PagedBatch and its caches refer to each other: the previous case's pools go here)
+    mx.clear_cache()  # (and the buffers it left cached)
+    # one side's K/V in memory at a time (the same K/V for each: same seed), so that
+    # B=64 at 16k fits one GPU
+    for side in ("mlx_lm", "pagedkv"):
+        mx.random.seed(5)
+        ref, batch = filled(model, lengths, steps + 4, dtype, sides="mlx_lm" if side == "mlx_lm" else "paged")
+        caches = ref if side == "mlx_lm" else batch.caches
+        generate(model, caches, first, 2)  # warm-up (kernels compile), then back to the start
         for c in caches:
             c.trim(2)
-    queued = {}  # --pipelined: median ms of each side's mx.async_eval
-    t, host, _ = generate(model, ref, first, steps)
-    out["mlx_lm"], queued["mlx_lm"] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
-    t, host, eager_toks = generate(model, batch.caches, first, steps)
-    out["pagedkv"], queued["pagedkv"] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
-    batch.release()
-    del ref, batch
+        t, host, toks = generate(model, caches, first, steps)
+        out[side], queued[side] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
+        if batch is not None:
+            eager_toks = toks
+            batch.release()
+        del ref, batch, caches
+        gc.collect()
+        mx.clear_cache()
+    mx.random.seed(5)
+    mx.clear_cache()
+    _, twin = filled(model, lengths, steps + 4, dtype, sides="paged")  # the same K/V, for the compiled side
     step = CompiledDecode(model, twin, bucket=bucket)
     run_steps(step, first, 2)  # warm-up: trace (int32 tokens, then argmax's uint32)
     for c in twin.caches:
@@ -76,6 +85,8 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     out["growth"] = (mx.get_peak_memory() - base) / 2**20
     out["same"] = f"{sum(a == b for a, b in zip(eager_toks, toks))}/{len(lengths)}"
     twin.release()
+    del step, twin
+    mx.clear_cache()
     floor = mx.compile(lambda tok: model(tok))  # after the peak was read
     run_steps(floor, first, 2)  # warm-up: trace
     t, host, _ = run_steps(floor, first, steps)

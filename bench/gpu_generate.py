@@ -65,11 +65,21 @@ def model_of(shape: str, dtype) -> llama.Model:
     return model
 
 
-def filled(model, lengths: list[int], steps: int, dtype):
+def filled(model, lengths: list[int], steps: int, dtype, sides: str = "both"):
+    """mlx-lm's ``BatchKVCache`` and a ``PagedBatch`` holding the same random K/V for
+    rows of ``lengths`` (room for ``steps`` more tokens each). ``sides``: "both",
+    "mlx_lm" or "paged": the side not built is None, so the largest cases can hold one
+    side at a time; the K/V drawn are the same whichever sides are built."""
     a = model.args
     layers, hkv, d = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
     longest = max(lengths)
-    ref = [BatchKVCache([longest - n for n in lengths]) for _ in range(layers)]
+    ref = [BatchKVCache([longest - n for n in lengths]) for _ in range(layers)] if sides != "paged" else None
+    if sides == "mlx_lm":
+        for layer in range(layers):
+            k = mx.random.normal((len(lengths), hkv, longest, d)).astype(dtype)
+            v = mx.random.normal((len(lengths), hkv, longest, d)).astype(dtype)
+            mx.eval(ref[layer].update_and_fetch(k, v))
+        return ref, None
     pool = PagePool(num_layers=layers, num_kv_heads=hkv, head_dim=d, page_size=PS, dtype=dtype,
                     num_pages=POOL_SCALE * sum(-(-(n + steps + 1) // PS) for n in lengths) + 1,
                     sync_before_rewrite=SYNC)
@@ -78,7 +88,8 @@ def filled(model, lengths: list[int], steps: int, dtype):
     for layer in range(layers):
         k = mx.random.normal((len(lengths), hkv, longest, d)).astype(dtype)
         v = mx.random.normal((len(lengths), hkv, longest, d)).astype(dtype)
-        mx.eval(ref[layer].update_and_fetch(k, v))
+        if ref is not None:
+            mx.eval(ref[layer].update_and_fetch(k, v))
         for b, (row, n) in enumerate(zip(rows, lengths)):
             mx.eval(row[layer].update_and_fetch(k[b : b + 1, :, longest - n :], v[b : b + 1, :, longest - n :]))
     for row in rows:

@@ -43,7 +43,8 @@ one into a row's table. It takes them only while at least as many pages stay fre
 pool, and gives them all back at the first step after the batch's rows change
 (``extend``, ``filter``...), when a step would otherwise run out of pages (retried
 without them), when a step finds the batch released, and on ``release_lookahead()``
-(call it when the batch goes idle) or garbage collection. While held
+(call it when the batch goes idle) or when the last reference to this object goes
+(it is in no reference cycle, so that is at once). While held
 they count as in use in the pool's stats (``lookahead_pages`` says how many); taking one
 may evict a cached page ``page_size`` steps before the row would have. ``lookahead=False``
 holds none: then a table is copied in every step where a row grows a page.
@@ -100,10 +101,14 @@ class _StepLayer:
     reads_pages = True
 
     def __init__(self, owner: CompiledDecode, layer: int) -> None:
-        self.owner = owner
+        self._owner = weakref.ref(owner)  # (a strong one would make a cycle: see CompiledDecode)
         spec, self.pool_layer = owner.batch.rows.layout.layers[layer]
         self.spec = spec
         self.pool = owner.batch.rows.layout.specs[spec].pool
+
+    @property
+    def owner(self) -> CompiledDecode:
+        return self._owner()
 
     @property
     def offset(self) -> mx.array:
@@ -178,7 +183,11 @@ class CompiledDecode:
         self._versions: list[list[int]] = [[] for _ in specs]
         self.traces = 0
         self.uploads = 0  # steps that copied their state to the device (the first, and after changes)
-        self._compiled = mx.compile(self._step, inputs=self._state, outputs=self._state)
+        # The traced function and the layers reach this object through a weak reference:
+        # no reference cycle, so dropping the last reference to it gives its lookahead
+        # pages back at once (not at the next garbage collection) and frees its traces.
+        this = weakref.ref(self)
+        self._compiled = mx.compile(lambda *args: this()._step(*args), inputs=self._state, outputs=self._state)
 
     @staticmethod
     def refusal(batch: PagedBatch) -> str | None:
