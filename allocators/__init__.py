@@ -16,7 +16,12 @@ from allocators.errors import (
     RefCountError,
 )
 from allocators.free_list import FreeListAllocator
-from allocators.protocol import AllocatorStats, BlockAllocator, PageState
+from allocators.protocol import (
+    AllocatorStats,
+    BlockAllocator,
+    PageState,
+    implements_block_allocator,
+)
 from allocators.refcounting import NULL_PAGE, RefCountingAllocator
 from allocators.sorted import SortedAllocator
 
@@ -36,4 +41,5 @@ __all__ = [
     "RefCountError",
     "RefCountingAllocator",
     "SortedAllocator",
+    "implements_block_allocator",
 ]

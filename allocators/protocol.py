@@ -118,3 +118,19 @@ class BlockAllocator(Protocol):
         """Raise ``InvariantViolation`` unless every page is in exactly one state."""
 
     def stats(self) -> AllocatorStats: ...
+
+
+_MEMBERS = tuple(sorted({name for name in vars(BlockAllocator) if not name.startswith("_")}
+                        | set(BlockAllocator.__annotations__)))
+
+
+def implements_block_allocator(obj: object) -> bool:
+    """Whether ``obj`` has every member of ``BlockAllocator``, looked up as a caller
+    would (``hasattr``, so members a class supplies through ``__getattr__`` count).
+
+    ``isinstance(obj, BlockAllocator)`` answers differently by Python version: from
+    3.12 on it looks members up statically and misses ``__getattr__`` (a delegating
+    wrapper is refused there and accepted on 3.11). pagedkv checks with this function,
+    so an allocator is accepted or refused the same way on every version. O(members)."""
+    return all(hasattr(obj, name) for name in _MEMBERS)
+

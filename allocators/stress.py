@@ -32,7 +32,7 @@ import attrs
 
 from allocators.errors import PoolExhausted
 from allocators.free_list import FreeListAllocator
-from allocators.protocol import BlockAllocator
+from allocators.protocol import BlockAllocator, implements_block_allocator
 from allocators.sorted import SortedAllocator
 
 WORKLOADS = ("uniform", "bursty", "decode")
@@ -265,7 +265,7 @@ def load_allocator(spec: str, num_pages: int) -> BlockAllocator:
     if not sep:
         raise SystemExit(f"--allocator must be one of {sorted(BUILTIN)} or module:Class, got {spec!r}")
     alloc = getattr(importlib.import_module(mod), name)(num_pages)
-    if not isinstance(alloc, BlockAllocator):
+    if not implements_block_allocator(alloc):
         raise SystemExit(f"{spec} does not implement allocators.BlockAllocator")
     return alloc
 

@@ -49,7 +49,7 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     first = mx.array(rng.integers(0, 32000, (len(lengths), 1)).astype(np.int32))
     out = {}
     queued = {}  # --pipelined: median ms of each side's mx.async_eval
-    gc.collect()  # (a PagedBatch and its caches refer to each other: the previous case's pools go here)
+    gc.collect()  # (frees what the previous case left in any reference cycle)
     mx.clear_cache()  # (and the buffers it left cached)
     # one side's K/V in memory at a time (the same K/V for each: same seed), so that
     # B=64 at 16k fits one GPU

@@ -56,7 +56,7 @@ class PagedBatch:
             raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
         self.rows = RowSet(layout)
         self.pool = layout.specs[0].pool
-        self.caches = layer_faces(self.rows, lambda rows, i: PagedBatchKVCache(self, i))
+        self.caches = layer_faces(self.rows, PagedBatchKVCache)
 
     @classmethod
     def for_model(cls, model, pool: PagePool, *, state_pool: StatePool | None = None) -> PagedBatch:
@@ -124,13 +124,11 @@ class PagedBatch:
 
 
 class PagedBatchKVCache(LayerFace):
-    """One layer of a ``PagedBatch`` (see the module doc)."""
+    """One layer of a ``PagedBatch`` (see the module doc). It refers to the batch's
+    rows, not to the batch, so a dropped batch is in no reference cycle: its pages go
+    back to the pool when its last reference goes, not at the next garbage collection."""
 
     exact = False
-
-    def __init__(self, batch: PagedBatch, layer: int) -> None:
-        super().__init__(batch.rows, layer)
-        self.batch = batch
 
     @property
     def offset(self) -> mx.array:
@@ -141,9 +139,9 @@ class PagedBatchKVCache(LayerFace):
         """Bool [B, 1, N, W]: row b's query i (at position len_b + i) sees keys
         j <= len_b + i (and, with a window, j > len_b + i - window)."""
         self.rows.check_alive()
-        if not self.batch.size:
+        if not self.rows.num_rows:
             raise KvShapeError("a mask needs rows, but the batch has none (add rows with extend)")
         return self.rows.mask(self.layer, N, window_size)
 
     def empty(self) -> bool:
-        return self.batch.size == 0
+        return self.rows.num_rows == 0

@@ -39,7 +39,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from allocators import BlockAllocator, FreeListAllocator, PageState
+from allocators import BlockAllocator, FreeListAllocator, PageState, implements_block_allocator
 from pagedkv.codec import AffineQuant, FullPrecision, PageCodec
 from pagedkv.errors import (
     InvalidTypeError,
@@ -132,7 +132,7 @@ class PagePool:
             )
         if allocator is None:
             allocator = FreeListAllocator(self.num_pages, null_page=True)
-        elif not isinstance(allocator, BlockAllocator):
+        elif not implements_block_allocator(allocator):
             raise InvalidTypeError(f"allocator must implement allocators.BlockAllocator, got {type(allocator).__name__}")
         elif allocator.num_pages != self.num_pages:
             raise InvalidValueError(f"allocator has {allocator.num_pages} pages, pool has {self.num_pages}")

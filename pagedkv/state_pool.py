@@ -29,7 +29,7 @@ from typing import Sequence
 import mlx.core as mx
 import numpy as np
 
-from allocators import BlockAllocator, FreeListAllocator
+from allocators import BlockAllocator, FreeListAllocator, implements_block_allocator
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -67,7 +67,7 @@ class StatePool:
         self.num_slots = check_int("num_slots", num_slots, minimum=2)  # the null slot + one usable
         if allocator is None:
             allocator = FreeListAllocator(self.num_slots, null_page=True)
-        elif not isinstance(allocator, BlockAllocator):
+        elif not implements_block_allocator(allocator):
             raise InvalidTypeError(f"allocator must implement allocators.BlockAllocator, got {type(allocator).__name__}")
         elif allocator.num_pages != self.num_slots or allocator.null_page is None:
             raise InvalidValueError(f"the allocator must have {self.num_slots} pages and reserve the null page")

@@ -223,3 +223,23 @@ def test_a_row_and_its_fork_decoded_in_one_batch_copy_their_shared_page_and_matc
                 assert mx.abs(got[r] - ref).max().item() <= LOGITS_ATOL
     batch.release()
     assert pool.allocator.num_in_use() == 0
+
+
+def test_a_dropped_batch_and_pool_are_freed_without_waiting_for_the_garbage_collector():
+    import gc
+    import weakref
+
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=8, num_pages=64)
+    batch = PagedBatch.for_model(model, pool)
+    c = make_paged_cache(model, pool)
+    model(mx.array(prompt_of(11))[None], cache=c)
+    batch.extend(c)
+    model(mx.array([[1]]), cache=batch.caches)  # one step: the layer faces have fetched
+    gone_batch, gone_pool = weakref.ref(batch), weakref.ref(pool)
+    gc.disable()  # no collection may run in between: nothing here is in a reference cycle
+    try:
+        del batch, pool, c
+        assert gone_batch() is None and gone_pool() is None  # the pool's arrays went with it
+    finally:
+        gc.enable()

@@ -231,10 +231,13 @@ def test_use_after_release_raises():
         cache.keys_and_values()
 
 
-@pytest.mark.skipif(paged_decode.available(), reason=(
+ONE_LAYER_LOOPS_COPY_ON_CUDA = pytest.mark.skipif(paged_decode.available(), reason=(
     "on CUDA, MLX releases a finished step's buffers on a worker thread, so a one-layer "
     "write loop this tight copies now and then whatever the pool does "
     "(pagedkv/in_place_writes.py); whole models are checked by bench/gpu_compiled_step.py's peak growth"))
+
+
+@ONE_LAYER_LOOPS_COPY_ON_CUDA
 def test_token_writes_are_in_place_not_copies_of_the_pool():
     """A regression here silently makes every token write O(pool size)."""
     pool = PagePool(num_layers=1, num_kv_heads=4, head_dim=64, page_size=16, num_pages=8192,
@@ -251,6 +254,7 @@ def test_token_writes_are_in_place_not_copies_of_the_pool():
     assert growth < pool.nbytes / 16, growth
 
 
+@ONE_LAYER_LOOPS_COPY_ON_CUDA
 def test_a_caller_holding_an_unevaluated_read_does_not_make_writes_copy():
     pool = PagePool(num_layers=1, num_kv_heads=4, head_dim=64, page_size=16, num_pages=8192,
                     dtype=mx.float32)

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
-from tiny_models import greedy, make_model, make_pool, prompt_of
+from tiny_models import ON_CPU, greedy, make_model, make_pool, prompt_of
 
 from pagedkv import (
     AffineQuant,
@@ -109,9 +109,10 @@ def test_turboquant_deferred_v_equals_eager_unrotation():
     deferred = plain.attend(q, SCALE, "causal")
     eager = mx.fast.scaled_dot_product_attention(q, plain.keys, codec.unrotate(plain.values),
                                                  scale=SCALE, mask="causal")
-    assert mx.allclose(deferred, eager, atol=1e-5)
+    # (CUDA's float32 matmuls round differently: differences of ~1e-4 on the H200)
+    assert mx.allclose(deferred, eager, atol=1e-5 if ON_CPU else 1e-3)
     with KvAttentionView.of_cache(cache) as view:  # the packed path defers V the same way
-        assert mx.allclose(view.attend(q, SCALE, "causal"), eager, atol=1e-4)
+        assert mx.allclose(view.attend(q, SCALE, "causal"), eager, atol=1e-4 if ON_CPU else 1e-3)
     # and it is a good approximation of the unquantised attention
     assert rel_err(eager, mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE, mask="causal")) < 0.25
     plain.release()
@@ -159,6 +160,8 @@ def test_four_bit_pages_take_under_a_third_of_fp16_bytes():
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
 def test_paged_quantized_cache_matches_mlx_lm_quantized_kvcache(kind, bits, group):
+    if not ON_CPU:
+        pytest.skip("mlx-lm's own quantised attention has no CUDA kernel for these shapes (MLX 0.32)")
     model = make_model(kind)
     prompt = prompt_of(27)
     ref_cache = [QuantizedKVCache(group_size=group, bits=bits) for _ in model.layers]
