@@ -35,7 +35,6 @@ from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
     KvShapeError,
-    NotSupportedError,
     check_int,
 )
 from pagedkv.pool import PagePool
@@ -66,8 +65,6 @@ class PagedBatch:
         from pagedkv.attention_routing import route_attention
 
         layout = layout_for(model, pool, state_pool=state_pool)
-        if any(spec.window is not None for spec in layout.specs):
-            raise NotSupportedError("PagedBatch serves full-attention models (no sliding windows)")
         route_attention(model)
         return cls(layout)
 

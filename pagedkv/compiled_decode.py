@@ -60,7 +60,7 @@ row, with the same bookkeeping (the rows, their pages and positions end up exact
 where the eager step leaves them; the batch can continue either way) and the same
 logits up to float rounding. Bad tokens raise a typed error and change nothing; a step
 that cannot get its pages raises ``PoolExhausted`` with every row as it was. Not for
-hybrid (recurrent) models or sliding windows (``PagedBatch.for_model`` refuses those),
+hybrid (recurrent) models or sliding windows (a ``PagedBatch`` decodes those eagerly),
 nor KV-sharing ``DonorCache`` layers: ``NotSupportedError``.
 
 Ownership: the batch keeps its rows; this object holds the model, the batch, the traces,

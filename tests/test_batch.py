@@ -7,6 +7,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from tiny_models import (
     LOGITS_ATOL,
     PAGE_KINDS,
+    VOCAB,
     greedy,
     logits_atol,
     make_model,
@@ -14,7 +15,14 @@ from tiny_models import (
     prompt_of,
 )
 
-from pagedkv import KvShapeError, PagedBatch, PoolExhausted, ReleasedError, make_paged_cache
+from pagedkv import (
+    KvShapeError,
+    PagedBatch,
+    PagePool,
+    PoolExhausted,
+    ReleasedError,
+    make_paged_cache,
+)
 
 PROMPTS = [prompt_of(9, seed=1), prompt_of(23, seed=2), prompt_of(40, seed=3)]
 JOIN_AT, STEPS = 5, 16
@@ -243,3 +251,46 @@ def test_a_dropped_batch_and_pool_are_freed_without_waiting_for_the_garbage_coll
         assert gone_batch() is None and gone_pool() is None  # the pool's arrays went with it
     finally:
         gc.enable()
+
+
+SLIDING = {  # sliding-window layers (window 12) between full-attention ones, as Gemma 3
+    "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 96,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB, "sliding_window": 12, "sliding_window_pattern": 2, "max_position_embeddings": 1024,
+    "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0, "query_pre_attn_scalar": 16,
+}
+
+
+def sliding_window_model():
+    from mlx_lm.utils import _get_classes
+
+    model_cls, args_cls = _get_classes(SLIDING)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(SLIDING))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_batch_of_sliding_window_rows_decodes_as_mlx_lm_decodes_each_row_alone():
+    """Ragged rows past the window: each row's tokens and logits equal mlx-lm's own
+    caches (RotatingKVCache on the windowed layers) decoding that row alone, and the
+    windowed tables hold no more pages than the window needs."""
+    model = sliding_window_model()
+    pool = PagePool(num_layers=4, num_kv_heads=2, head_dim=16, page_size=4, num_pages=256, dtype=mx.float32)
+    batch = PagedBatch.for_model(model, pool)
+    assert sorted(spec.window or 0 for spec in batch.rows.layout.specs) == [0, 12]
+    tokens, logits = batched_greedy(model, lambda: make_paged_cache(model, pool),
+                                    lambda caches: [batch.extend(c) for c in caches], lambda: batch.caches)
+    for i, (p, row) in enumerate(zip(PROMPTS, tokens)):
+        solo_tokens, solo_logits = greedy(model, p, make_prompt_cache(model), len(row))
+        assert solo_tokens == row
+        first = 0 if i < 2 else JOIN_AT
+        for step, ref in enumerate(solo_logits[1:], start=first):
+            assert mx.abs(logits[step][i] - ref).max().item() <= LOGITS_ATOL
+    for row in range(batch.size):
+        for table in batch.tables(row):
+            if table.window is not None:
+                assert table.num_pages <= -(-table.window // 4) + 1
+    batch.release()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0

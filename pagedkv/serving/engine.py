@@ -49,7 +49,7 @@ from pagedkv.batch import PagedBatch
 from pagedkv.cache import PagedPromptCache, make_paged_cache
 from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.disk_tier import DiskTier
-from pagedkv.errors import InvalidTypeError, InvalidValueError, PoolExhausted
+from pagedkv.errors import InvalidTypeError, InvalidValueError, NotSupportedError, PoolExhausted
 from pagedkv.generation import prefill
 from pagedkv.kernels import paged_decode
 from pagedkv.pool import PagePool
@@ -295,6 +295,9 @@ class Engine:
         """An empty batch, and its compiled decode step if asked for (or by default, see
         ``compiled_decode``)."""
         self.batch = PagedBatch.for_model(self.model, self.pool, state_pool=self.state_pool)
+        if any(spec.window is not None for spec in self.batch.rows.layout.specs):
+            # (a batch decodes sliding windows; the engine's prefix cache does not serve them)
+            raise NotSupportedError("the serving engine serves models without sliding windows")
         asked = self._compile_asked
         if asked is None:
             asked = paged_decode.available() and CompiledDecode.refusal(self.batch) is None
