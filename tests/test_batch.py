@@ -7,7 +7,6 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from tiny_models import (
     LOGITS_ATOL,
     PAGE_KINDS,
-    VOCAB,
     greedy,
     logits_atol,
     make_model,
@@ -253,29 +252,12 @@ def test_a_dropped_batch_and_pool_are_freed_without_waiting_for_the_garbage_coll
         gc.enable()
 
 
-SLIDING = {  # sliding-window layers (window 12) between full-attention ones, as Gemma 3
-    "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 96,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-    "vocab_size": VOCAB, "sliding_window": 12, "sliding_window_pattern": 2, "max_position_embeddings": 1024,
-    "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0, "query_pre_attn_scalar": 16,
-}
-
-
-def sliding_window_model():
-    from mlx_lm.utils import _get_classes
-
-    model_cls, args_cls = _get_classes(SLIDING)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(SLIDING))
-    mx.eval(model.parameters())
-    return model
-
 
 def test_a_batch_of_sliding_window_rows_decodes_as_mlx_lm_decodes_each_row_alone():
     """Ragged rows past the window: each row's tokens and logits equal mlx-lm's own
     caches (RotatingKVCache on the windowed layers) decoding that row alone, and the
     windowed tables hold no more pages than the window needs."""
-    model = sliding_window_model()
+    model = make_model("gemma3_text")
     pool = PagePool(num_layers=4, num_kv_heads=2, head_dim=16, page_size=4, num_pages=256, dtype=mx.float32)
     batch = PagedBatch.for_model(model, pool)
     assert sorted(spec.window or 0 for spec in batch.rows.layout.specs) == [0, 12]

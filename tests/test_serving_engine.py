@@ -346,11 +346,9 @@ def test_compiled_decode_is_the_default_with_cuda_refused_where_it_cannot_serve_
 def test_the_engine_refuses_a_sliding_window_model_up_front():
     """A PagedBatch decodes sliding windows (test_batch.py), but the engine's prefix
     cache does not serve them: the engine says so when it is made, not at a request."""
-    from test_batch import sliding_window_model
-
     from pagedkv import NotSupportedError
 
     pool = PagePool(num_layers=4, num_kv_heads=2, head_dim=16, page_size=4, num_pages=64, dtype=mx.float32)
     with pytest.raises(NotSupportedError, match="sliding windows"):
-        Engine(sliding_window_model(), pool, decode=letters)
+        Engine(make_model("gemma3_text"), pool, decode=letters)
     assert pool.allocator.num_in_use() == 0

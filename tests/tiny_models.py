@@ -38,6 +38,13 @@ CONFIGS = {
         "vocab_size": VOCAB, "max_position_embeddings": 1024, "head_dim": 64,
         "tie_word_embeddings": True, "rope_theta": 1000000.0,
     },
+    "gemma3_text": {  # sliding-window layers (window 12) between full-attention ones
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 4, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "vocab_size": VOCAB, "sliding_window": 12, "sliding_window_pattern": 2,
+        "max_position_embeddings": 1024, "rope_local_base_freq": 10000.0, "rope_theta": 1000000.0,
+        "query_pre_attn_scalar": 16,
+    },
     "gemma3n": {
         "model_type": "gemma3n",
         "text_config": {
