@@ -133,4 +133,3 @@ def implements_block_allocator(obj: object) -> bool:
     wrapper is refused there and accepted on 3.11). pagedkv checks with this function,
     so an allocator is accepted or refused the same way on every version. O(members)."""
     return all(hasattr(obj, name) for name in _MEMBERS)
-

@@ -122,8 +122,9 @@ class PagedBatch:
 
 class PagedBatchKVCache(LayerFace):
     """One layer of a ``PagedBatch`` (see the module doc). It refers to the batch's
-    rows, not to the batch, so a dropped batch is in no reference cycle: its pages go
-    back to the pool when its last reference goes, not at the next garbage collection."""
+    rows, not to the batch, so a batch is in no reference cycle: once the last
+    references to a batch and its pool go, the pool's arrays are freed then, not at
+    the next garbage collection. (Its rows' pages go back only through ``release``.)"""
 
     exact = False
 

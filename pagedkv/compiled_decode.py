@@ -193,7 +193,7 @@ class CompiledDecode:
     def refusal(batch: PagedBatch) -> str | None:
         """Why a compiled step cannot serve ``batch``'s layers (None: it can)."""
         layout = batch.rows.layout
-        if layout.state_slots or any(spec.window is not None for spec in layout.specs):
+        if layout.state_slots or layout.has_windows:
             return "a compiled decode step serves full-attention layers only (no recurrent layers, no sliding windows)"
         if len(batch.caches) != layout.num_layers:
             return "a compiled decode step needs one cache per model layer (no KV sharing)"

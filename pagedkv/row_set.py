@@ -133,6 +133,11 @@ class LayerLayout:
         """Cache slots: attention and recurrent layers."""
         return len(self.layers) + len(self.state_slots)
 
+    @property
+    def has_windows(self) -> bool:
+        """Whether any attention layer is a sliding window."""
+        return any(spec.window is not None for spec in self.specs)
+
     def slot_kinds(self) -> list[tuple[str, int]]:
         """Per cache slot, in order: ("kv", attention layer) or ("state", recurrent layer)."""
         state = {slot: r for r, slot in enumerate(self.state_slots)}

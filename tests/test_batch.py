@@ -252,7 +252,6 @@ def test_a_dropped_batch_and_pool_are_freed_without_waiting_for_the_garbage_coll
         gc.enable()
 
 
-
 def test_a_batch_of_sliding_window_rows_decodes_as_mlx_lm_decodes_each_row_alone():
     """Ragged rows past the window: each row's tokens and logits equal mlx-lm's own
     caches (RotatingKVCache on the windowed layers) decoding that row alone, and the

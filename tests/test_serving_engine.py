@@ -351,4 +351,4 @@ def test_the_engine_refuses_a_sliding_window_model_up_front():
     pool = PagePool(num_layers=4, num_kv_heads=2, head_dim=16, page_size=4, num_pages=64, dtype=mx.float32)
     with pytest.raises(NotSupportedError, match="sliding windows"):
         Engine(make_model("gemma3_text"), pool, decode=letters)
-    assert pool.allocator.num_in_use() == 0
+    assert pool.allocator.num_in_use() == 0 and not pool.allocator.evict_listeners  # (no prefix cache left on it)

@@ -46,7 +46,7 @@ import attrs
 import mlx.core as mx
 
 from pagedkv.batch import PagedBatch
-from pagedkv.cache import PagedPromptCache, make_paged_cache
+from pagedkv.cache import PagedPromptCache, layout_for, make_paged_cache
 from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.disk_tier import DiskTier
 from pagedkv.errors import InvalidTypeError, InvalidValueError, NotSupportedError, PoolExhausted
@@ -197,6 +197,10 @@ class Engine:
         if compiled_decode is not None and not isinstance(compiled_decode, bool):
             raise InvalidTypeError(f"compiled_decode must be a bool or None, got {type(compiled_decode).__name__}")
         self._compile_asked = compiled_decode
+        if layout_for(model, pool, state_pool=state_pool).has_windows:
+            # (checked before the model is routed or the pool touched; a PagedBatch
+            # decodes sliding windows, but the engine's prefix cache does not serve them)
+            raise NotSupportedError("the serving engine serves models without sliding windows")
         self._new_batch()
         self.compiled_decode = self._compiled is not None  # what the engine does
         if disk_tier is not None and not prefix_caching:
@@ -295,9 +299,6 @@ class Engine:
         """An empty batch, and its compiled decode step if asked for (or by default, see
         ``compiled_decode``)."""
         self.batch = PagedBatch.for_model(self.model, self.pool, state_pool=self.state_pool)
-        if any(spec.window is not None for spec in self.batch.rows.layout.specs):
-            # (a batch decodes sliding windows; the engine's prefix cache does not serve them)
-            raise NotSupportedError("the serving engine serves models without sliding windows")
         asked = self._compile_asked
         if asked is None:
             asked = paged_decode.available() and CompiledDecode.refusal(self.batch) is None
