@@ -19,8 +19,11 @@ Scenarios (P = pages in the pool, page size 16):
                             the least recently used one and its key. n=1 also runs
                             ``floor``: the same per-page work (LRU log, count, flags, two
                             map entries per key) behind the same three calls, in bare
-                            Python with no input checks, counters or listeners: what a
-                            checked implementation of this API cannot beat in CPython
+                            Python with no input checks, counters or listeners; and
+                            ``checked floor``: that floor with the input checks and
+                            counters a public API needs put back, and the evicted key
+                            dropped in place: what a checked implementation of this API
+                            cannot beat in CPython
   decode churn off / on     64 sequences decode from a running start (the pool and the
                             first prompts are set up before the clock); a page per
                             sequence every 16 steps; finished sequences free their pages
@@ -57,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_block_pool as vllm  # noqa: E402
 
 from allocators import FreeListAllocator, SortedAllocator  # noqa: E402
-from pagedkv import PagePool, PrefixCache  # noqa: E402
+from pagedkv import PagePool, PrefixCache, PrefixKeys  # noqa: E402
 
 PAGE = 16
 
@@ -173,10 +176,19 @@ class UncheckedFloor(Side):
 
     def __init__(self, iters: int, rounds: int) -> None:
         self.iters = iters
-        n = 2048
         rng = random.Random(1)
-        cutter = PrefixCache(_pool(1))
-        self.keys = [(1, cutter.keys(_tokens(rng, PAGE + 1)).pages[0]) for _ in range(iters * (rounds + 1))]
+        self.cutter = PrefixCache(_pool(1))
+        self.keys = [self._key(self.cutter.keys(_tokens(rng, PAGE + 1))) for _ in range(iters * (rounds + 1))]
+        self.calls, self.by_key = self._calls(2048)
+        self.round = 0
+        self._run(slice(0, iters))  # untimed: fill the pool with cached pages
+        self.round = 1
+
+    @staticmethod
+    def _key(keys: PrefixKeys):
+        return (1, keys.pages[0])
+
+    def _calls(self, n: int) -> tuple:
         rc, flags = array("i", bytes(4 * n)), bytearray(n)
         free, log, log_pos = array("q", range(n - 1, -1, -1)), array("q"), array("q", bytes(8 * n))
         by_key: dict = {}
@@ -213,10 +225,7 @@ class UncheckedFloor(Side):
                 else:
                     free.append(page)
 
-        self.calls, self.by_key = (get, register, release), by_key
-        self.round = 0
-        self._run(slice(0, iters))  # untimed: fill the pool with cached pages
-        self.round = 1
+        return (get, register, release), by_key
 
     def _run(self, which: slice) -> None:
         get, register, release = self.calls
@@ -232,6 +241,90 @@ class UncheckedFloor(Side):
 
     def audit(self) -> str:
         return f"cached {len(self.by_key)}"
+
+
+class CheckedFloor(UncheckedFloor):
+    """The floor with what a public API of these three calls must do put back, in as few
+    bytecodes as we could write it: the caller's ids, keys and position checked (a typed
+    error, nothing changed, on bad input), a double free refused, the counters that
+    ``stats`` reports kept (cached, evicted, the peak), keys taken as ``PrefixKeys``
+    (their nodes carried on, as ``register_pages`` does), and the evicted page's key
+    dropped in place (no listener call). No log compaction, no second listener, no disk
+    tier, no numpy ids: so a checked allocator of this API cannot be faster than this."""
+
+    @staticmethod
+    def _key(keys: PrefixKeys) -> PrefixKeys:
+        return keys
+
+    def _calls(self, n: int) -> tuple:
+        rc, flags, state = array("i", bytes(4 * n)), bytearray(n), bytearray(n)
+        free, log, log_pos = array("q", range(n - 1, -1, -1)), array("q"), array("q", bytes(8 * n))
+        by_key: dict = {}
+        key_of: dict = {}
+        owner = self.cutter
+        counts = [0, 0, 0, n, 1]  # log head, cached, evicted, fewest available, next node
+
+        def get() -> int:
+            if free:
+                page = free.pop()
+            elif counts[1]:  # evict the least recently used cached page, and its key
+                h = counts[0]
+                while log_pos[log[h]] != h:
+                    h += 1
+                page = log[h]
+                counts[0] = h + 1
+                counts[1] -= 1
+                counts[2] += 1
+                state[page] = flags[page] = 0
+                key = key_of.pop(page, None)
+                if key is not None:
+                    del by_key[key]
+            else:
+                raise MemoryError("no page available")
+            rc[page] = 1
+            available = len(free) + counts[1]
+            if available < counts[3]:
+                counts[3] = available
+            return page
+
+        def register(page: int, keys: PrefixKeys, first: int = 0) -> int:
+            if (page.__class__ is not int or not 0 <= page < n or keys.__class__ is not PrefixKeys
+                    or keys.owner is not owner or first.__class__ is not int):
+                raise TypeError("bad page id or keys")
+            nodes, chunks = keys.nodes, keys.pages
+            if not 0 <= first <= len(nodes) or first >= len(chunks) or rc[page] < 1:
+                raise ValueError("no such page of the sequence, or a page not held")
+            key = (nodes[first - 1] if first else keys.root, chunks[first])
+            if key in by_key or page in key_of:
+                return 0
+            flags[page] = 1
+            node = counts[4]
+            counts[4] = node + 1
+            by_key[key] = page
+            key_of[page] = key
+            del nodes[first:]
+            nodes.append(node)
+            return 1
+
+        def release(page: int) -> None:
+            if page.__class__ is not int or not 0 <= page < n:
+                raise TypeError("bad page id")
+            count = rc[page]
+            if count != 1:
+                if count < 1:
+                    raise ValueError("double free")
+                rc[page] = count - 1
+                return
+            rc[page] = 0
+            if flags[page]:
+                state[page] = 2
+                log_pos[page] = len(log)
+                log.append(page)
+                counts[1] += 1
+            else:
+                free.append(page)
+
+        return (get, register, release), by_key
 
 
 class CacheChurn(Side):
@@ -515,8 +608,10 @@ def main() -> None:
         med = measure(sides, rounds, per_round)
         ratio = med["vLLM model"] / med["pagedkv"]
         rows.append((name, med, ratio, unit, {k: s.audit() for k, s in sides.items()}))
+        bound = (f"  vLLM/checked floor {med['vLLM model'] / med['checked floor']:5.2f}x"
+                 if "checked floor" in med else "")
         print(f"{name:<34}" + "".join(f"{k} {v * 1e6:9.2f} us  " for k, v in med.items())
-              + f"vLLM/pagedkv {ratio:5.2f}x", flush=True)
+              + f"vLLM/pagedkv {ratio:5.2f}x" + bound, flush=True)
 
     for n, iters in ((1, 5000 * scale), (256, 40 * scale)):
         for caching in (False, True):
@@ -530,6 +625,7 @@ def main() -> None:
         sides = {"pagedkv": CacheChurn("pagedkv", n, iters, rounds), "vLLM model": CacheChurn("vllm", n, iters, rounds)}
         if n == 1:
             sides["floor"] = UncheckedFloor(iters, rounds)
+            sides["checked floor"] = CheckedFloor(iters, rounds)
         scenario(f"cache churn n={n}", sides, iters, "op")
     steps = 100 * scale
     for caching in (False, True, "at release"):
