@@ -16,12 +16,14 @@ Issue 15: ``mx.compile`` of the paged decode step, with the figure either way. S
              the fastest step any KV cache could give, and mlx-lm's time over it the
              largest speed-up over mlx-lm that paging could reach at that shape
 
-Printed per case: decode tokens/s with the host time per step in brackets (building and
-queueing the step, bookkeeping included; with ``--pipelined`` the building alone, and the
-``mx.async_eval`` that queues it on a line of its own), the compiled side's traces, its peak memory
-growth (a pool array copied instead of written in place would show as a layer's size),
-and in how many rows eager and compiled pagedkv end on the same token (both start from
-the same K/V; fp16 rounding can flip a near-tie).
+Printed per case (each side warmed up first; the compiled one with the timed steps
+themselves, so no trace falls in the timed ones): decode tokens/s with the host time
+per step in brackets (building and queueing the step, bookkeeping included; with
+``--pipelined`` the building alone, and the ``mx.async_eval`` that queues it on a line
+of its own), the compiled side's traces, its peak memory growth (a pool array copied
+instead of written in place would show as a layer's size), and in how many rows eager
+and compiled pagedkv end on the same token (both start from the same K/V; fp16 rounding
+can flip a near-tie).
 """
 
 from __future__ import annotations
@@ -72,9 +74,12 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     mx.clear_cache()
     _, twin = filled(model, lengths, steps + 4, dtype, sides="paged")  # the same K/V, for the compiled side
     step = CompiledDecode(model, twin, bucket=bucket)
-    run_steps(step, first, 2)  # warm-up: trace (int32 tokens, then argmax's uint32)
+    # warm-up: the timed steps themselves, then back to the start, so that every trace
+    # they need (int32 tokens, then argmax's uint32, at each table width they reach) is
+    # made before the clock starts, whenever the width changes
+    run_steps(step, first, steps)
     for c in twin.caches:
-        c.trim(2)
+        c.trim(steps)
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()

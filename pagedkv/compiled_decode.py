@@ -39,8 +39,10 @@ its lookahead is spent, is a table copied (with a fresh lookahead page for every
 that lacks one). A batch decodes about ``page_size`` steps per copy instead of one.
 
 Lookahead pages belong to this object (one allocator reference each) until a step takes
-one into a row's table. It takes them only while at least as many pages stay free in the
-pool, and gives them all back at the first step after the batch's rows change
+one into a row's table. It takes them only while at least as many pages stay available in
+the pool (when that leaves too few for every row, the rows that cross soonest get them,
+so a nearly full pool still copies its tables only every few steps, not at every row's
+crossing), and gives them all back at the first step after the batch's rows change
 (``extend``, ``filter``...), when a step would otherwise run out of pages (retried
 without them), when a step finds the batch released, and on ``release_lookahead()``
 (call it when the batch goes idle) or when the last reference to this object goes
@@ -274,7 +276,7 @@ class CompiledDecode:
                 for s, ids in zip(specs, next_supply):
                     ids[taken[s]] = -1
                     if self.lookahead:
-                        fresh.append(self._top_up(s, ids))
+                        fresh.append(self._top_up(s, ids, start))
                 device = self._upload(rows, start, next_supply)
             else:
                 next_supply = None
@@ -323,14 +325,22 @@ class CompiledDecode:
                     return False
         return True
 
-    def _top_up(self, spec: int, ids: np.ndarray) -> np.ndarray:
-        """Give every row of ``spec`` without a lookahead page one, in place, if the
-        pool keeps at least as many pages free; returns the pages taken."""
+    def _top_up(self, spec: int, ids: np.ndarray, start: np.ndarray) -> np.ndarray:
+        """Give rows of ``spec`` without a lookahead page one, in place: every such row
+        when the pool keeps at least as many pages available as this takes, else as many
+        as keep that true, to the rows that cross into a new page soonest (a row at
+        ``start`` next crosses at the first multiple of the page size after it).
+        Returns the pages taken, O(B log B)."""
         lacking = np.flatnonzero(ids < 0)
         alloc = self._allocators[spec]
-        if lacking.size == 0 or alloc.num_available() < 2 * lacking.size:
+        take = min(lacking.size, alloc.num_available() // 2)
+        if take == 0:
             return np.empty(0, dtype=np.int64)
-        new = np.asarray(alloc.allocate(int(lacking.size)), dtype=np.int64)
+        if take < lacking.size:
+            ps = self.batch.rows.layout.specs[spec].pool.page_size
+            soonest = np.argsort(-(start[lacking] + 1) % ps, kind="stable")
+            lacking = np.sort(lacking[soonest[:take]])
+        new = np.asarray(alloc.allocate(take), dtype=np.int64)
         ids[lacking] = new
         return new
 

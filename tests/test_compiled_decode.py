@@ -221,6 +221,25 @@ def test_a_step_short_of_pages_gives_its_lookahead_back_instead_of_failing():
     assert compiled.lengths == eager.lengths == [16]
 
 
+def test_a_nearly_full_pool_holds_lookahead_pages_for_the_rows_that_cross_soonest():
+    # page size 4: the rows cross into a new page at steps 1 (row 3), 2 (row 2), 3 (rows
+    # 1 and 5), 4 (rows 0 and 4) and 5 (row 3)
+    model, eager, compiled, step = _twins([5, 6, 7, 8, 9, 10], num_pages=22)
+    assert compiled.pool.allocator.num_available() == 7  # (14 pages listed, and the null page)
+    tok = _step_both(model, eager, step, [1] * 6)  # row 3 grows a page: 6 stay available
+    assert step.uploads == 1 and step.lookahead_pages == 3  # too few for all six: half of them
+    for _ in range(2):  # rows 2, 1 and 5 cross, each into the page it holds ahead
+        tok = _step_both(model, eager, step, tok)
+    assert step.uploads == 1 and step.lookahead_pages == 0  # no table copied
+    for _ in range(2):  # rows 0 and 4 cross without one, then row 3 (one page left: none ahead)
+        tok = _step_both(model, eager, step, tok)
+    assert step.uploads == 3
+    assert compiled.pool.allocator.num_available() == eager.pool.allocator.num_available() == 0
+    eager.release()
+    compiled.release()
+    assert compiled.pool.allocator.num_available() == 21
+
+
 def test_dropping_the_step_gives_its_lookahead_pages_back_at_once():
     import gc
 

@@ -2,12 +2,13 @@
 2-8 x groups 32/64/128 x fp32/fp16/bf16 models. Pages store scales in the model's dtype
 by default, as mlx-lm does, so logits and greedy tokens are the same. mlx-lm's cache is
 not used at 5 and 6 bits (it fails there on some shapes); those compare to a plain cache
-that quantises and concatenates every step."""
+that quantises and concatenates every step. On a CUDA GPU the comparison is skipped: it
+runs in CI, on the CPU (see the skip's reason)."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
-from tiny_models import greedy, make_model, prompt_of
+from tiny_models import ON_CPU, greedy, make_model, prompt_of
 
 from pagedkv import AffineQuant, PagePool, make_paged_cache
 
@@ -38,6 +39,15 @@ class ConcatQuantizedCache:
         from mlx_lm.models.base import create_causal_mask
 
         return None if N == 1 else create_causal_mask(N, self.offset)
+
+
+# Measured on an H100 with MLX 0.32.4: mlx-lm's quantised attention there has no kernel for
+# some of these shapes ("No implementation for problem shape: 21x21x128x2"), compiles one
+# for about 90 s per new shape, and rounds its float32 matmuls differently from pagedkv's
+# CUDA path (dequantise, then SDPA): logits up to 1.8e-2 apart at 2 bits, tokens equal.
+pytestmark = pytest.mark.skipif(not ON_CPU, reason=(
+    "mlx-lm's quantised attention on CUDA lacks kernels for some shapes and rounds differently; "
+    "this reference comparison runs on the CPU"))
 
 
 @pytest.fixture(scope="module")
