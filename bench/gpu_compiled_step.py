@@ -20,10 +20,11 @@ Printed per case (each side warmed up first; the compiled one with the timed ste
 themselves, so no trace falls in the timed ones): decode tokens/s with the host time
 per step in brackets (building and queueing the step, bookkeeping included; with
 ``--pipelined`` the building alone, and the ``mx.async_eval`` that queues it on a line
-of its own), the compiled side's traces, its peak memory growth (a pool array copied
-instead of written in place would show as a layer's size), and in how many rows eager
-and compiled pagedkv end on the same token (both start from the same K/V; fp16 rounding
-can flip a near-tie).
+of its own), the compiled side's traces and, of the timed steps, how many copied their
+state to the device (``CompiledDecode.uploads``), its peak memory growth (a pool array
+copied instead of written in place would show as a layer's size), and in how many rows
+eager and compiled pagedkv end on the same token (both start from the same K/V; fp16
+rounding can flip a near-tie).
 """
 
 from __future__ import annotations
@@ -83,7 +84,9 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     mx.clear_cache()
     base = mx.get_active_memory()
     mx.reset_peak_memory()
+    uploads = step.uploads
     t, host, toks = run_steps(step, first, steps)
+    out["uploads"] = step.uploads - uploads
     out["compiled"], queued["compiled"] = (len(lengths) * steps / t, host), list(gpu_generate.QUEUED)
     out["queued"] = {k: statistics.median(v) * 1e3 for k, v in queued.items() if v}
     out["traces"] = step.traces
@@ -122,7 +125,7 @@ def main() -> None:
           f"tok/s (host ms per step)", flush=True)
     print(f"{'B':>3} {'context':>7} {'lengths':>7} {'mlx-lm':>16} {'pagedkv':>16} {'compiled':>16} "
           f"{'compiled/pagedkv':>17} {'compiled/mlx-lm':>16} {'floor':>16} {'floor/mlx-lm':>13} "
-          f"{'traces':>7} {'peak +MiB':>10} {'same last token':>16}", flush=True)
+          f"{'traces':>7} {'copies':>7} {'peak +MiB':>10} {'same last token':>16}", flush=True)
     rng = np.random.default_rng(0)
     for ctx in [int(x) for x in args.contexts.split(",") if x]:
         for b in [int(x) for x in args.batches.split(",") if x]:
@@ -134,7 +137,7 @@ def main() -> None:
                 cells = " ".join(f"{r[k][0]:>8.0f} ({r[k][1] * 1e3:>4.2f})" for k in ("mlx_lm", "pagedkv", "compiled"))
                 print(f"{b:>3} {ctx:>7} {kind:>7} {cells} {r['compiled'][0] / r['pagedkv'][0]:>16.2f}x "
                       f"{r['compiled'][0] / r['mlx_lm'][0]:>15.2f}x {r['floor'][0]:>8.0f} ({r['floor'][1] * 1e3:>4.2f}) "
-                      f"{r['floor'][0] / r['mlx_lm'][0]:>12.2f}x {r['traces']:>7} {r['growth']:>10.0f} "
+                      f"{r['floor'][0] / r['mlx_lm'][0]:>12.2f}x {r['traces']:>7} {r['uploads']:>7} {r['growth']:>10.0f} "
                       f"{r['same']:>16}", flush=True)
                 if r["queued"]:
                     print("      mx.async_eval ms per step (not in the host time): "
