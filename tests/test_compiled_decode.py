@@ -3,6 +3,7 @@ logits and leaves the rows exactly where the eager step does (CPU here; the GPU 
 takes the decode kernel inside the trace)."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import LOGITS_ATOL, PAGE_KINDS, make_model, make_pool, prompt_of
@@ -238,6 +239,33 @@ def test_a_nearly_full_pool_holds_lookahead_pages_for_the_rows_that_cross_soones
     eager.release()
     compiled.release()
     assert compiled.pool.allocator.num_available() == 21
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lookahead_never_makes_a_step_run_out_of_pages_before_the_eager_one(seed):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 24, 7).tolist()
+    spare = int(rng.integers(3, 12))  # pages beyond what the prompts hold
+    model, eager, compiled, step = _twins(lengths, num_pages=1 + sum(-(-n // 4) for n in lengths) + spare)
+    # a step short of pages gives its lookahead back and retries; the pages go to the rows
+    # that cross soonest, so one never has to before the pool is short for the eager step too
+    given_back = []
+    step.release_lookahead = lambda release=step.release_lookahead: given_back.append(release())
+    tok = [1] * len(lengths)
+    for _ in range(4 * spare + 8):  # past the point where the pool runs dry
+        try:
+            le = model(mx.array(tok)[:, None], cache=eager.caches)
+        except PoolExhausted:
+            with pytest.raises(PoolExhausted):  # the compiled step runs out at the same step
+                step(mx.array(tok))
+            break
+        lc = step(mx.array(tok))  # (PoolExhausted here: it ran out before the eager step)
+        assert not given_back  # nor did it need its lookahead back to get this step's pages
+        assert mx.allclose(le, lc, atol=LOGITS_ATOL).item()
+        tok = mx.argmax(le[:, -1], axis=-1).tolist()
+    else:
+        pytest.fail("the pool never ran out")
+    assert compiled.lengths == eager.lengths
 
 
 def test_dropping_the_step_gives_its_lookahead_pages_back_at_once():
