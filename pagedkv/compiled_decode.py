@@ -42,8 +42,7 @@ Lookahead pages belong to this object (one allocator reference each) until a ste
 one into a row's table. It takes them only while at least as many pages stay available in
 the pool (when that leaves too few for every row, the rows that cross soonest get them,
 so a nearly full pool still copies its tables only every few steps, not at every row's
-crossing; and while no one else takes pages from the pool, no step runs short that the
-eager step would not), and gives them all back at the first step after the batch's rows change
+crossing), and gives them all back at the first step after the batch's rows change
 (``extend``, ``filter``...), when a step would otherwise run out of pages (retried
 without them), when a step finds the batch released, and on ``release_lookahead()``
 (call it when the batch goes idle) or when the last reference to this object goes

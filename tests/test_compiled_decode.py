@@ -247,8 +247,10 @@ def test_lookahead_never_makes_a_step_run_out_of_pages_before_the_eager_one(seed
     lengths = rng.integers(1, 24, 7).tolist()
     spare = int(rng.integers(3, 12))  # pages beyond what the prompts hold
     model, eager, compiled, step = _twins(lengths, num_pages=1 + sum(-(-n // 4) for n in lengths) + spare)
-    # a step short of pages gives its lookahead back and retries; the pages go to the rows
-    # that cross soonest, so one never has to before the pool is short for the eager step too
+    # a step short of pages gives its lookahead back and retries. In a pool short from the
+    # first copy on, the pages go to the rows that cross soonest, and each row holding one
+    # crosses before (or with) the first row that lacks one: so no step needs them back
+    # before the eager step itself runs out
     given_back = []
     step.release_lookahead = lambda release=step.release_lookahead: given_back.append(release())
     tok = [1] * len(lengths)
