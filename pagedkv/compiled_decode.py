@@ -338,8 +338,9 @@ class CompiledDecode:
             return np.empty(0, dtype=np.int64)
         if take < lacking.size:
             ps = self.batch.rows.layout.specs[spec].pool.page_size
-            soonest = np.argsort(-(start[lacking] + 1) % ps, kind="stable")
-            lacking = np.sort(lacking[soonest[:take]])
+            # steps after the next one until the row writes a page's first slot
+            wait = (-(start[lacking] + 1)) % ps
+            lacking = np.sort(lacking[np.argsort(wait, kind="stable")[:take]])
         new = np.asarray(alloc.allocate(take), dtype=np.int64)
         ids[lacking] = new
         return new
