@@ -25,17 +25,20 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached_tokens: int = 0,
-              watermark: float = 0.01, state_pool: StatePool | None = None) -> bool:
+              watermark: float = 0.01, state_pool: StatePool | None = None, releasable: int = 0) -> bool:
     """True if a request needs no more than the available pages minus a watermark.
 
     ``cached_tokens`` are prompt tokens a prefix cache will serve (they cost no new
     pages). ``watermark`` is the fraction of the pool kept free for running sequences.
     ``state_pool`` (hybrid models): the request also needs one free or evictable
-    recurrent-state slot beyond the same watermark of that pool.
+    recurrent-state slot beyond the same watermark of that pool. ``releasable``: pages
+    the caller holds ahead of need and gives back for the request (a ``CompiledDecode``'s
+    ``lookahead_pages``), counted as available.
     """
     check_int("prompt_tokens", prompt_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_int("cached_tokens", cached_tokens, minimum=0)
+    check_int("releasable", releasable, minimum=0)
     if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
         raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
     need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size
@@ -45,7 +48,7 @@ def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached
             raise InvalidValueError(f"state_pool must be a StatePool, got {type(state_pool).__name__}")
         if 1 > state_pool.allocator.num_available() - math.ceil(watermark * state_pool.usable_slots):
             return False
-    return need <= pool.allocator.num_available() - reserve
+    return need <= pool.allocator.num_available() + releasable - reserve
 
 
 def preempt(cache: PagedPromptCache) -> int:

@@ -212,10 +212,14 @@ def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):
     cache = make_paged_cache(model, pool)
     model(mx.array([prompt_of(30)]), cache=cache)
     assert not can_admit(pool, 40, 20, watermark=0.0)
+    assert can_admit(pool, 40, 20, watermark=0.0, releasable=2)  # pages the caller holds ahead, given back
+    assert not can_admit(pool, 40, 20, watermark=0.0, releasable=1)
     assert preempt(cache) == 4
     assert can_admit(pool, 40, 20, watermark=0.0)
     with pytest.raises(ValueError):
         can_admit(pool, 0, 1)
+    with pytest.raises(ValueError):
+        can_admit(pool, 1, 1, releasable=-1)
 
 
 @pytest.mark.parametrize("evicted", [1, 3, 5])

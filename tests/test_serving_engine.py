@@ -312,6 +312,24 @@ def test_sample_rows_greedy_nucleus_and_temperature():
     assert set(sample_rows(logits, [half, half]).tolist()[0] for _ in range(100)) <= {1, 3}
 
 
+def test_a_request_that_fits_only_with_the_compiled_steps_lookahead_pages_is_admitted(model):
+    engine = make_engine(model, num_pages=24, compiled_decode=True, prefix_caching=False)
+    sink = Sink()
+    engine.add(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=30), sink))
+    engine.add(GenerationRequest("b", [4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=30), sink))
+    engine.step()
+    assert engine._compiled.lookahead_pages == 2 and engine.pool.allocator.num_available() == 18
+    # 60 prompt tokens and 16 of decode: 19 pages, against 18 available less a 1-page watermark
+    prompt = [(7 * i) % 100 + 1 for i in range(60)]
+    engine.add(GenerationRequest("c", prompt, SamplingParams(max_tokens=16), sink))
+    engine.step()
+    assert not engine.waiting  # the pages held ahead of need made way for it
+    run(engine)
+    assert sink.ids("c") == solo(model, prompt, 16)
+    assert sink.ids("a") == solo(model, [1, 2, 3], 30)
+    assert engine.pool.allocator.stats().in_use == 0
+
+
 def test_compiled_decode_is_the_default_with_cuda_refused_where_it_cannot_serve_and_rebuilt_by_fail_all(model):
     from tiny_models import make_model as tiny
 

@@ -9,7 +9,8 @@ loop). Each ``step``:
    ``PrefixCache``, then released: they stay CACHED until the room is needed);
 2. spends the step's prefill budget (``prefill_budget`` tokens): first on prompts being
    prefilled, then on waiting requests, admitted first come, first served while
-   ``can_admit`` says their pages fit. Each is prefilled alone in its own cache from its
+   ``can_admit`` says their pages fit (counting the compiled decode step's lookahead
+   pages, which it gives back when a request fits only with them). Each is prefilled alone in its own cache from its
    longest cached prefix, over as many steps as its prompt needs (chunked prefill);
    then it samples its first token and joins the batch with no K/V copy
    (``PagedBatch.extend``);
@@ -38,6 +39,7 @@ O(pages matched) per waiting request looked at.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from typing import Callable, Iterable
@@ -338,10 +340,13 @@ class Engine:
             n = len(req.prompt) + len(req.generated)
             cached = len(self.prefix.match(self._keys(req))) * ps if self.prefix else 0
             if self.running or self.prefilling:
-                lookahead = min(req.params.max_tokens - len(req.generated), 16)
-                if not can_admit(self.pool, n, lookahead, cached_tokens=cached, watermark=self.watermark,
-                                 state_pool=self.state_pool):
+                fit = functools.partial(can_admit, self.pool, n, min(req.params.max_tokens - len(req.generated), 16),
+                                        cached_tokens=cached, watermark=self.watermark, state_pool=self.state_pool)
+                ahead = self._compiled.lookahead_pages if self._compiled is not None else 0
+                if not fit(releasable=ahead):
                     break
+                if ahead and not fit():  # it fits with the decode step's lookahead pages: they yield
+                    self._compiled.release_lookahead()
             self.waiting.popleft()
             budget = self._advance(self._start(req), budget)
 
