@@ -10,8 +10,9 @@ loop). Each ``step``:
 2. spends the step's prefill budget (``prefill_budget`` tokens): first on prompts being
    prefilled, then on waiting requests, admitted first come, first served while
    ``can_admit`` says their pages fit (counting the compiled decode step's lookahead
-   pages, which it gives back when a request fits only with them). Each is prefilled alone in its own cache from its
-   longest cached prefix, over as many steps as its prompt needs (chunked prefill);
+   pages, which it gives back when a request fits only with them). Each is prefilled
+   alone in its own cache from its longest cached prefix, over as many steps as its
+   prompt needs (chunked prefill);
    then it samples its first token and joins the batch with no K/V copy
    (``PagedBatch.extend``);
 3. decodes one token for every running row in one batched forward. If the pool runs
