@@ -77,7 +77,7 @@ def case(model, lengths: list[int], steps: int, bucket: int, dtype) -> dict:
     step = CompiledDecode(model, twin, bucket=bucket)
     # warm-up: the timed steps themselves, then back to the start, so that every trace
     # they need (int32 tokens, then argmax's uint32, at each table width they reach) is
-    # made before the clock starts, whenever the width changes
+    # made before the clock starts
     run_steps(step, first, steps)
     for c in twin.caches:
         c.trim(steps)
