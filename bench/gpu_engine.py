@@ -1,7 +1,8 @@
-"""The serving ``Engine`` with and without ``compiled_decode``, same requests, one run.
+"""The serving ``Engine`` with and without ``compiled_decode`` and ``overlap_decode``,
+same requests, one run.
 
     python3 bench/gpu_engine.py [--model 1b|8b|tiny] [--requests 32] [--prompt 512] [--new 128]
-                                [--rounds 2]
+                                [--rounds 2] [--dtype float16|bfloat16|float32]
 
 Issue 15: what ``CompiledDecode`` gives a server, not a fixed batch. ``--requests``
 requests of ``--prompt`` random tokens each are queued at once; request i asks for
@@ -14,10 +15,15 @@ Each side keeps one engine for the whole run, as a server would; a round queues 
 requests again and steps until every one is done (the sides take turns). Round 1 of the
 compiled side pays its traces (one per batch size and table width); later rounds
 replay them.
+Sides: ``eager`` and ``compiled`` read each step's tokens before building the next
+(``overlap_decode=False``); ``eager+ovl`` and ``compiled+ovl`` build step n + 1 while
+step n runs (``overlap_decode=True``, the engine's default).
 Printed per round and side: wall seconds, generated tokens/s, engine steps, and for
-the compiled side its traces so far. Last: how many requests gave the same tokens on
-both sides (fp16 rounding can flip a near-tie between random-weight logits).
-Model: mlx-lm's llama class with random weights (``gpu_generate.model_of``), fp16.
+the compiled sides their traces so far; per round, compiled / eager and each side with
+overlap / without. Last: how many requests gave the same tokens on each side as on
+``eager`` (fp16 rounding can flip a near-tie between random-weight logits).
+Model: mlx-lm's llama class with random weights (``gpu_generate.model_of``), fp16 unless
+``--dtype`` says otherwise.
 """
 
 from __future__ import annotations
@@ -41,14 +47,14 @@ SHAPES.setdefault("tiny", dict(hidden_size=256, num_hidden_layers=4, intermediat
                                num_key_value_heads=2, head_dim=32, rope_theta=10000.0))
 
 
-def make_engine(model, prompts: list[list[int]], news: list[int], compiled: bool, dtype) -> Engine:
+def make_engine(model, prompts: list[list[int]], news: list[int], compiled: bool, overlap: bool, dtype) -> Engine:
     a = model.args
     pages = sum(-(-(len(p) + n + 1) // PS) for p, n in zip(prompts, news)) + 2
     pool = PagePool(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
                     page_size=PS, num_pages=pages, dtype=dtype)
     return Engine(model, pool, decode=lambda ids: "", max_batch=len(prompts), prefix_caching=False,
                   prefill_budget=sum(map(len, prompts)), prefill_chunk=max(map(len, prompts)),
-                  compiled_decode=compiled)
+                  compiled_decode=compiled, overlap_decode=overlap)
 
 
 def run_round(engine: Engine, prompts: list[list[int]], news: list[int], r: int) -> dict:
@@ -80,27 +86,34 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     args = ap.parse_args()
-    dtype = mx.float16
+    dtype = getattr(mx, args.dtype)
     model = model_of(args.model, dtype)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.args.vocab_size, args.prompt).tolist() for _ in range(args.requests)]
     news = [args.new - (i % 8) * (args.new // 16) for i in range(args.requests)]
-    print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, fp16; {args.requests} requests "
+    print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, {args.dtype}; {args.requests} requests "
           f"of {args.prompt} prompt tokens, {min(news)}-{max(news)} new tokens each", flush=True)
-    print(f"{'round':>5} {'side':>9} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'traces':>7}", flush=True)
-    engines = {side: make_engine(model, prompts, news, side == "compiled", dtype) for side in ("eager", "compiled")}
+    print(f"{'round':>5} {'side':>12} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'traces':>7}", flush=True)
+    sides = {"eager": (False, False), "eager+ovl": (False, True), "compiled": (True, False),
+             "compiled+ovl": (True, True)}
+    engines = {side: make_engine(model, prompts, news, compiled, overlap, dtype)
+               for side, (compiled, overlap) in sides.items()}
     last = {}
     for r in range(1, args.rounds + 1):
         for side, engine in engines.items():
             res = run_round(engine, prompts, news, r)
             last[side] = res
-            print(f"{r:>5} {side:>9} {res['seconds']:>8.2f} {res['tokens'] / res['seconds']:>8.0f} "
-                  f"{res['steps']:>6} {res['traces'] if side == 'compiled' else '':>7}", flush=True)
-        ratio = last["eager"]["seconds"] / last["compiled"]["seconds"]
-        print(f"      round {r}: compiled/eager tokens/s {ratio:.2f}x", flush=True)
-    same = sum(e == c for e, c in zip(last["eager"]["out"], last["compiled"]["out"]))
-    print(f"same tokens in {same}/{args.requests} requests", flush=True)
+            print(f"{r:>5} {side:>12} {res['seconds']:>8.2f} {res['tokens'] / res['seconds']:>8.0f} "
+                  f"{res['steps']:>6} {res['traces'] if sides[side][0] else '':>7}", flush=True)
+        speed = {side: res["tokens"] / res["seconds"] for side, res in last.items()}
+        print(f"      round {r}: tokens/s compiled/eager {speed['compiled'] / speed['eager']:.2f}x, "
+              f"overlap/not: eager {speed['eager+ovl'] / speed['eager']:.2f}x, "
+              f"compiled {speed['compiled+ovl'] / speed['compiled']:.2f}x", flush=True)
+    same = {side: sum(e == c for e, c in zip(last["eager"]["out"], res["out"])) for side, res in last.items()}
+    print("same tokens as eager: " + ", ".join(f"{side} {n}/{args.requests}" for side, n in same.items()
+                                                if side != "eager"), flush=True)
     for engine in engines.values():
         engine.close()
 

@@ -323,12 +323,15 @@ def test_sigterm_mid_request_stops_the_server_and_releases_every_page():
         assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
 
 
-def test_a_compiled_decode_server_gives_concurrent_clients_their_solo_answers(lm):
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_a_compiled_decode_server_gives_concurrent_clients_their_solo_answers(lm, overlap):
     """``--compiled-decode on``: the batch's decode steps replay traces; rows join, leave and
-    get preempted between them, and every answer is still the request's own."""
+    get preempted between them, and every answer is still the request's own, with the
+    decode steps overlapped (``--overlap-decode on``, the default) or not."""
     from openai import AsyncOpenAI
 
-    proc, url = start_server("--pool-bytes", str(16 * 8192), "--max-batch", "6", "--compiled-decode", "on")
+    proc, url = start_server("--pool-bytes", str(16 * 8192), "--max-batch", "6", "--compiled-decode", "on",
+                             "--overlap-decode", overlap)
     questions = [f"Item {i}: spell {i * 13}." for i in range(8)]
     lengths = [30 + 9 * (i % 4) for i in range(8)]
 

@@ -5,6 +5,7 @@ pieces: ``TextStream`` (incremental text, stop strings) and ``sample_rows``."""
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 
@@ -69,10 +70,12 @@ def solo(model, prompt, n, eos=()):
     return list(generate(model, make_prompt_cache(model), prompt, max_tokens=n, eos_ids=eos))
 
 
-@pytest.mark.parametrize("prefix_caching, compiled_decode", [(True, False), (False, False), (True, True)])
-def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(model, prefix_caching, compiled_decode):
+@pytest.mark.parametrize("prefix_caching, compiled_decode, overlap_decode", [
+    (True, False, True), (False, False, True), (True, True, True), (True, False, False), (True, True, False)])
+def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(model, prefix_caching, compiled_decode,
+                                                                           overlap_decode):
     engine = make_engine(model, num_pages=40, max_batch=8, prefix_caching=prefix_caching,
-                         compiled_decode=compiled_decode)
+                         compiled_decode=compiled_decode, overlap_decode=overlap_decode)
     sink, rng = Sink(), random.Random(0)
     shared = [rng.randrange(VOCAB) for _ in range(9)]
     reqs, work = [], []
@@ -93,6 +96,88 @@ def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(mode
     st = engine.pool.allocator.stats()
     assert st.in_use == 0 and engine.batch.size == 0
     engine.pool.allocator.check()
+
+
+@pytest.mark.parametrize("compiled_decode", [False, True])
+def test_overlapped_decode_delivers_what_reading_every_step_delivers(model, compiled_decode):
+    """The same requests, with overlap_decode on and off: an EOS id and a stop string
+    that end rows early, requests arriving mid-run, a pool so small that rows are
+    preempted (with tokens in flight when overlapped), an abort. Every request gets the
+    same ids, text and finish reason (solo decoding's tokens), and every page comes back."""
+    with pytest.raises(InvalidTypeError):
+        make_engine(model, overlap_decode=1)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 20))] for _ in range(12)]
+    refs = [solo(model, p, 20) for p in prompts]
+    eos = collections.Counter(t for r in refs for t in r[2:]).most_common(1)[0][0]  # ends some rows early
+    stop = letters(refs[3][4:6])
+
+    def serve(overlap: bool) -> tuple[Sink, int]:
+        engine = make_engine(model, num_pages=26, max_batch=6, eos_token_ids=[eos], compiled_decode=compiled_decode,
+                             overlap_decode=overlap)
+        sink = Sink()
+        reqs = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=20 - i % 5, stop=[stop] if i == 3 else None),
+                                  sink) for i, p in enumerate(prompts)]
+        for req in reqs[:8]:
+            engine.add(req)
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+            if steps == 4:  # arrivals while rows decode (and, overlapped, have tokens in flight)
+                for req in reqs[8:]:
+                    engine.add(req)
+            if steps == 6:
+                engine.abort("r1")
+        assert engine.pool.allocator.stats().in_use == 0 and engine.batch.size == 0
+        engine.pool.allocator.check()
+        return sink, sum(r.preemptions for r in reqs)
+
+    (plain, _), (overlapped, preempted) = serve(False), serve(True)
+    assert preempted > 0
+    reasons = set()
+    for i, p in enumerate(prompts):
+        rid, got = f"r{i}", overlapped.ids(f"r{i}")
+        reasons.add(overlapped.last(rid).finish_reason)
+        assert got == solo(model, p, 20 - i % 5, eos=[eos])[: len(got)], rid
+        if rid == "r1":  # aborted at another token (tokens arrive a step later), then nothing more
+            assert overlapped.last(rid).finish_reason == plain.last(rid).finish_reason == "abort"
+            continue
+        assert [(d.token_ids, d.text, d.finish_reason) for d in overlapped.deltas[rid]] == [
+            (d.token_ids, d.text, d.finish_reason) for d in plain.deltas[rid]], rid
+    assert reasons == {"stop", "length", "abort"}
+
+
+@pytest.mark.parametrize("overlap_decode, pattern", [(True, "FFTFTFT"), (False, "FTFTFT")])
+def test_an_overlapped_step_is_queued_before_the_tokens_of_the_step_before_are_read(model, overlap_decode, pattern):
+    """Decode forwards (F) and decode tokens reaching the sink (T) of one request of
+    four tokens (its first comes from the prefill). Overlapped, step n + 1 is built
+    before step n's token is read, and the row that ends has one more step computed
+    (its token dropped); otherwise each token is read before the next step."""
+    events = []
+
+    class Recording:  # the model, noting its decode forwards
+        def __init__(self, m):
+            self.m, self.args, self.layers = m, m.args, m.layers
+
+        def __call__(self, tokens, cache=None):
+            if cache is engine.batch.caches:
+                events.append("F")
+            return self.m(tokens, cache=cache)
+
+    engine = make_engine(Recording(model), compiled_decode=False, overlap_decode=overlap_decode)
+    deltas = []
+
+    def sink(d):
+        deltas.append(d)
+        if len(deltas) > 1:  # (the first token is the prefill's)
+            events.append("T")
+
+    engine.add(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=4), sink))
+    run(engine)
+    assert "".join(events) == pattern
+    assert [t for d in deltas for t in d.token_ids] == solo(model, [1, 2, 3], 4)
+    assert deltas[-1].finish_reason == "length" and engine.pool.allocator.stats().in_use == 0
 
 
 def test_a_repeated_prompt_is_served_from_the_prefix_cache(model):

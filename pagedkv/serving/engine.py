@@ -21,6 +21,18 @@ loop). Each ``step``:
    retried;
 4. retires the rows that just finished.
 
+Overlapped decode (``overlap_decode``, on by default): step 3 queues its forward
+(``mx.async_eval``) and only then reads the tokens of the step before, so the host work
+of a step (graph building, bookkeeping, sampling set-up, text and sinks) runs while the
+device computes the previous one, as mlx-lm's ``generate_step`` does. The step's input
+for a row that was in the previous step is that step's sampled token, still on the
+device (``_unread``). Tokens reach their sinks one step later, and a row that finishes
+has had one more step computed for it, whose token is dropped (its K/V is one more
+token of a row that is released anyway). What a row has written is always a prefix of
+its request's tokens, so prefix registration and preemption see the same tokens as
+without overlap: before the pool's pages are reclaimed (a preemption) the engine reads
+the tokens in flight first (``_drain``).
+
 A request hands the engine a ``sink``: a callable that receives one ``Delta`` per
 generated token (its text, held back at multi-byte characters and stop-string
 prefixes) and a last ``Delta`` with the finish reason and usage. Sinks are called on
@@ -174,6 +186,7 @@ class Engine:
         state_pool: StatePool | None = None,
         checkpoint_every: int = 16,
         compiled_decode: bool | None = None,
+        overlap_decode: bool = True,
     ) -> None:
         """``decode`` turns token ids into text (special tokens skipped).
         ``prefill_budget``: prompt tokens prefilled per step (chunked prefill: a longer
@@ -190,7 +203,9 @@ class Engine:
         eager engine's tokens/s on an H200, bench/RESULTS.md). True: a model it cannot
         serve (recurrent or KV-sharing layers, sliding windows) raises
         ``NotSupportedError`` here. None (default): on where it was measured faster,
-        MLX on a CUDA GPU, for the models it serves; eager otherwise. False: eager."""
+        MLX on a CUDA GPU, for the models it serves; eager otherwise. False: eager.
+        ``overlap_decode``: build each decode step while the previous one runs (see the
+        module doc); False reads every step's tokens before the next step is built."""
         self.model = model
         self.pool = pool
         if state_pool is not None and (not isinstance(state_pool, StatePool) or state_pool.usable_slots < 2):
@@ -200,6 +215,9 @@ class Engine:
         if compiled_decode is not None and not isinstance(compiled_decode, bool):
             raise InvalidTypeError(f"compiled_decode must be a bool or None, got {type(compiled_decode).__name__}")
         self._compile_asked = compiled_decode
+        if not isinstance(overlap_decode, bool):
+            raise InvalidTypeError(f"overlap_decode must be a bool, got {type(overlap_decode).__name__}")
+        self.overlap_decode = overlap_decode
         if layout_for(model, pool, state_pool=state_pool).has_windows:
             # (checked before the model is routed or the pool touched; a PagedBatch
             # decodes sliding windows, but the engine's prefix cache does not serve them)
@@ -223,7 +241,11 @@ class Engine:
         self.waiting: deque[GenerationRequest] = deque()
         self.prefilling: list[_Prefill] = []  # admitted, prompt not all in yet (own caches)
         self.running: list[GenerationRequest] = []  # rows of the batch, in order
-        self._pending: list[int] = []  # the next input token of each running row
+        # the next input token of each running row: an emitted token id, or (a row of the
+        # step in flight) its entry of ``_unread``, where this holds a placeholder
+        self._pending: list[int] = []
+        self._unread: mx.array | None = None  # the tokens of the step in flight, not read yet
+        self._unread_rows: list[GenerationRequest] = []  # whose, in ``_unread``'s order
         self._ids: dict[str, GenerationRequest] = {}
         self._closed = False
 
@@ -291,6 +313,7 @@ class Engine:
         self.waiting.clear()
         self.running.clear()
         self._pending.clear()
+        self._unread, self._unread_rows = None, []
         self._ids.clear()
         self.batch.release()
         if self._compiled is not None:  # (its step holds lookahead pages until told)
@@ -416,27 +439,68 @@ class Engine:
     def _decode_step(self) -> None:
         while self.running:
             try:
-                tokens = mx.array(self._pending)[:, None]
+                tokens = self._inputs()
                 if self._compiled is not None:
                     logits = self._compiled(tokens)[:, -1]
                 else:
                     logits = self.model(tokens, cache=self.batch.caches)[:, -1]
-                tokens = sample_rows(logits, [r.params for r in self.running]).tolist()
+                sampled = sample_rows(logits, [r.params for r in self.running])
                 break
-            except PoolExhausted:
+            except PoolExhausted:  # (the step changed nothing)
+                if self._unread is not None:  # the tokens in flight first: some rows may end
+                    self._drain()
+                    self._retire()
+                    continue
                 self._preempt_newest()
         else:
             return
-        for i, (req, tok) in enumerate(zip(self.running, tokens)):
-            self._pending[i] = tok
-            self._emit(req, tok)
+        if self.overlap_decode:
+            mx.async_eval(sampled)
+            done, done_rows = self._unread, self._unread_rows
+            self._unread, self._unread_rows = sampled, list(self.running)
+            if done is not None:
+                for req, tok in zip(done_rows, done.tolist()):
+                    if req.finish_reason is None:  # (not ended by its previous token, nor aborted)
+                        self._emit(req, tok)
+        else:
+            for i, (req, tok) in enumerate(zip(self.running, sampled.tolist())):
+                self._pending[i] = tok
+                self._emit(req, tok)
         if self.state_pool is not None and self.prefix is not None:  # checkpoints as rows cross boundaries
             every = self.prefix.checkpoint_tokens
             for i, n in enumerate(self.batch.lengths):
                 if n % every == 0 and self.running[i].finish_reason is None:
                     self.prefix.register_row(self.batch.rows, i, self._keys(self.running[i]))
 
+    def _inputs(self) -> mx.array:
+        """The decode step's input tokens, uint32 [B, 1] (the dtype of sampled tokens,
+        so a compiled step traces one): each row's entry of ``_unread`` if it was in
+        the step in flight, else its pending token."""
+        if self._unread is None:
+            return mx.array(self._pending, dtype=mx.uint32)[:, None]
+        if self._unread_rows == self.running:  # the same rows (requests compare by identity)
+            return self._unread[:, None]
+        at = {id(req): j for j, req in enumerate(self._unread_rows)}
+        where = [at.get(id(req), -1) for req in self.running]
+        unread = self._unread[mx.array([max(j, 0) for j in where])]
+        pending = mx.array(self._pending, dtype=mx.uint32)
+        return mx.where(mx.array([j >= 0 for j in where]), unread, pending)[:, None]
+
+    def _drain(self) -> None:
+        """Read the tokens in flight and emit them: every running row's next input is
+        then a pending token id, as without overlap."""
+        done, done_rows = self._unread, self._unread_rows
+        self._unread, self._unread_rows = None, []
+        row = {id(req): i for i, req in enumerate(self.running)}
+        for req, tok in zip(done_rows, done.tolist()):
+            i = row.get(id(req))
+            if i is not None:
+                self._pending[i] = tok
+            if req.finish_reason is None:
+                self._emit(req, tok)
+
     def _preempt_newest(self) -> None:
+        """Preempt the newest row (no tokens in flight: ``_drain`` first)."""
         row = len(self.running) - 1
         req = self.running.pop()
         self._pending.pop()
@@ -510,8 +574,10 @@ class Engine:
         self.batch.filter(keep)
         self.running = [self.running[i] for i in keep]
         self._pending = [self._pending[i] for i in keep]
-        if not keep and self._compiled is not None:  # idle: every page back in the pool
-            self._compiled.release_lookahead()
+        if not keep:
+            self._unread, self._unread_rows = None, []  # (only ended rows' tokens)
+            if self._compiled is not None:  # idle: every page back in the pool
+                self._compiled.release_lookahead()
 
     def _update_gauges(self) -> None:
         self.metrics.scheduler(len(self.running) + len(self.prefilling), len(self.waiting), self.pool.allocator.stats(),

@@ -3,7 +3,7 @@
     pagedkv serve [--model smollm2|tiny-random|PATH.gguf] [--host 127.0.0.1] [--port 8080]
                   [--pool-bytes N] [--page-size 16] [--kv-bits B] [--max-batch N]
                   [--prefill-budget N] [--max-tokens N] [--no-prefix-caching]
-                  [--compiled-decode auto|on|off]
+                  [--compiled-decode auto|on|off] [--overlap-decode on|off]
 
 The model, the pool and the engine are built on the engine's own thread (MLX streams
 are thread-local); uvicorn serves the Starlette app on the main thread's event loop.
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run decode steps under mx.compile (traced once per batch size and page-table "
                          "width, then replayed: less host work per token). auto (default): on with MLX "
                          "on a CUDA GPU, for the models it serves; on: refuse a model it cannot serve")
+    ap.add_argument("--overlap-decode", choices=["on", "off"], default="on",
+                    help="build each decode step while the device runs the previous one, reading its "
+                         "tokens a step later (on, the default); off: read every step's tokens first")
     ap.add_argument("--disk-tier", metavar="DIR", default=None,
                     help="keep evicted prefix pages in DIR (and every cached page at shutdown), so "
                          "prefix hits survive eviction and restarts")
@@ -85,7 +88,8 @@ def build_engine(args: argparse.Namespace, loaded: list):
                   max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching,
                   prefill_budget=args.prefill_budget, prefill_chunk=min(512, args.prefill_budget),
                   metrics=ServingMetrics(lm.name), disk_tier=disk,
-                  compiled_decode=COMPILED_DECODE[args.compiled_decode])
+                  compiled_decode=COMPILED_DECODE[args.compiled_decode],
+                  overlap_decode=args.overlap_decode == "on")
 
 
 def model_fingerprint(lm) -> str:
