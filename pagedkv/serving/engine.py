@@ -241,8 +241,8 @@ class Engine:
         self.waiting: deque[GenerationRequest] = deque()
         self.prefilling: list[_Prefill] = []  # admitted, prompt not all in yet (own caches)
         self.running: list[GenerationRequest] = []  # rows of the batch, in order
-        # the next input token of each running row: an emitted token id, or (a row of the
-        # step in flight) its entry of ``_unread``, where this holds a placeholder
+        # the next input token of each running row: an emitted token id, unless the row
+        # was in the step in flight (its input is then its entry of ``_unread``)
         self._pending: list[int] = []
         self._unread: mx.array | None = None  # the tokens of the step in flight, not read yet
         self._unread_rows: list[GenerationRequest] = []  # whose, in ``_unread``'s order
@@ -459,13 +459,9 @@ class Engine:
             done, done_rows = self._unread, self._unread_rows
             self._unread, self._unread_rows = sampled, list(self.running)
             if done is not None:
-                for req, tok in zip(done_rows, done.tolist()):
-                    if req.finish_reason is None:  # (not ended by its previous token, nor aborted)
-                        self._emit(req, tok)
+                self._read(done_rows, done)
         else:
-            for i, (req, tok) in enumerate(zip(self.running, sampled.tolist())):
-                self._pending[i] = tok
-                self._emit(req, tok)
+            self._read(self.running, sampled)
         if self.state_pool is not None and self.prefix is not None:  # checkpoints as rows cross boundaries
             every = self.prefix.checkpoint_tokens
             for i, n in enumerate(self.batch.lengths):
@@ -491,9 +487,15 @@ class Engine:
         then a pending token id, as without overlap."""
         done, done_rows = self._unread, self._unread_rows
         self._unread, self._unread_rows = None, []
-        row = {id(req): i for i, req in enumerate(self.running)}
-        for req, tok in zip(done_rows, done.tolist()):
-            i = row.get(id(req))
+        self._read(done_rows, done)
+
+    def _read(self, rows: list[GenerationRequest], sampled: mx.array) -> None:
+        """Read a step's tokens (``sampled``, one per request of ``rows``, the step's rows
+        in order): each becomes its row's pending token if the row still runs, and is
+        emitted unless the request ended meanwhile (by its previous token, or aborted)."""
+        at = {id(req): i for i, req in enumerate(self.running)}
+        for req, tok in zip(rows, sampled.tolist()):
+            i = at.get(id(req))
             if i is not None:
                 self._pending[i] = tok
             if req.finish_reason is None:
