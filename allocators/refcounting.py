@@ -26,17 +26,20 @@ The one-page calls (``allocate_page``, ``decref_page``: what a decode step does 
 sequence crosses a page boundary) touch a handful of Python objects and build no numpy
 array; the batched calls (a prompt's pages, a view's pages, a released sequence) are a
 few vectorised numpy operations, O(n) in C, with as few reductions as possible (each numpy
-call costs about a microsecond whatever its size). A list of up to ``_FEW`` ids given to
-``decref``, ``touch`` or ``set_cacheable`` takes a plain Python loop instead, cheaper at
-that size; a list the loop does not handle (a repeated id for ``decref``/``touch``, an id
-that is bad or not held, un-marking) goes to the array path, which checks and reports. ``IN_USE`` lives in the count alone, so handing out a
-free page writes one count and freeing it writes one count back.
+call costs about a microsecond whatever its size). A list or 1-d array of up to ``_FEW``
+ids given to ``decref`` or ``touch`` (a list, for ``set_cacheable``) takes one plain Python
+loop instead, cheaper at that size: it checks each page as it changes it and undoes what
+it changed when a page is refused, and the array path then checks again and reports.
+``IN_USE`` lives in the count alone, so handing out a free page writes one count and
+freeing it writes one count back.
 
 Counters: only the transitions that cannot be derived are counted (pages whose count
 reached 0, pages cached, evicted, revived, un-cached); ``in_use`` is
 ``num_pages - reserved - free - cached`` and ``pages_allocated`` follows from those.
 
-Atomicity: every public call validates all of its input before it changes anything.
+Atomicity: a public call that raises leaves the allocator as it was. The calls validate
+all of their input before they change anything, except the short loops above, which
+undo their own changes before the array path raises.
 
 Costs: ``allocate``/``incref``/``decref``/``fork``/``touch`` are O(n) in the ids passed,
 plus O(1) per page that becomes CACHED; the one-page calls O(1); ``evict`` O(n);
@@ -374,16 +377,17 @@ class RefCountingAllocator:
         """
         if n.__class__ is not int or n < 0:
             n = _require_count(n)
-        if n == 1:
-            return np.array((self.allocate_page(),), dtype=np.int64)
-        short = n - len(self._free)
+        free = self._free
+        short = n - len(free)
         if short > 0:
             if short > self._num_cached:
                 raise PoolExhausted(n, self.num_available())
             self._evict(short)
         ids = self._pop_free(n)
         self._refcount[ids] = 1
-        self._note_peak()
+        avail = len(free) + self._num_cached  # _note_peak, inlined
+        if avail < self._low:
+            self._low = avail
         return ids
 
     def incref(self, ids: Sequence[int] | np.ndarray) -> None:
@@ -413,7 +417,10 @@ class RefCountingAllocator:
         the most-recently-used end in the order listed) or FREE. Raises ``RefCountError``
         (a double free) if a page is not IN_USE or would drop below zero.
         """
-        if ids.__class__ is list and len(ids) <= _FEW and self._decref_few(ids):
+        if ids.__class__ is list:
+            if len(ids) <= _FEW and self._decref_few(ids):
+                return
+        elif ids.__class__ is np.ndarray and ids.size <= _FEW and ids.ndim == 1 and self._decref_few(ids.tolist()):
             return
         a = self._ids(ids)
         if a.size <= 1:
@@ -448,7 +455,10 @@ class RefCountingAllocator:
 
         CACHED pages are revived (removed from the LRU) with count 1.
         """
-        if ids.__class__ is list and len(ids) <= _FEW and self._touch_few(ids):
+        if ids.__class__ is list:
+            if len(ids) <= _FEW and self._touch_few(ids):
+                return
+        elif ids.__class__ is np.ndarray and ids.size <= _FEW and ids.ndim == 1 and self._touch_few(ids.tolist()):
             return
         a = self._ids(ids)
         if a.size == 0:
@@ -511,21 +521,29 @@ class RefCountingAllocator:
 
     # ------------------------------------------------------------------ internals
     def _decref_few(self, ids: list) -> bool:
-        """``decref`` of a short list of distinct IN_USE ids, in a Python loop. Returns
-        False, having changed nothing, when the list needs the array path (an id that is
-        not an int in range or not IN_USE, or a repeated id: that path says which)."""
-        rc, n = self._rc, self._n
-        for page in ids:
-            if page.__class__ is not int or not 0 <= page < n or rc[page] < 1:
-                return False
-        if len(set(ids)) != len(ids):
-            return False
+        """``decref`` of a short list of IN_USE ids in one Python loop. Returns False,
+        having changed nothing, when the list needs the array path (an id that is not an
+        int in range, or a page with no reference left to drop: that path says which).
+        Each count is checked as it is dropped and the drops are undone on a refusal; a
+        page listed twice is dropped twice, as on the array path."""
+        rc = self._rc
         zero = []
-        for page in ids:
-            count = rc[page]
-            rc[page] = count - 1
-            if count == 1:
-                zero.append(page)
+        done = 0
+        try:
+            for page in ids:
+                count = rc[page]  # IndexError past the end, TypeError for a non-index
+                if count < 1 or page < 0 or page.__class__ is not int:
+                    break
+                rc[page] = count - 1
+                if count == 1:
+                    zero.append(page)
+                done += 1
+        except (IndexError, TypeError):
+            pass
+        if done != len(ids):
+            for page in ids[:done]:
+                rc[page] += 1
+            return False
         if zero:
             self._zeroed += len(zero)
             if self._caching:  # decref_page's transition, page by page
@@ -544,30 +562,43 @@ class RefCountingAllocator:
                 if len(log) > self._log_limit:
                     self._compact_log()
             else:
+                give = self._give_free
                 for page in zero:
-                    self._give_free(page)
+                    give(page)
         return True
 
     def _touch_few(self, ids: list) -> bool:
-        """``touch`` of a short list of distinct ids, each IN_USE or CACHED, in a Python
-        loop; False (nothing changed) when the list needs the array path."""
-        rc, n, state = self._rc, self._n, self._state_b
-        for page in ids:
-            if page.__class__ is not int or not 0 <= page < n or (rc[page] < 1 and state[page] != _CACHED):
-                return False
-        if len(set(ids)) != len(ids):
+        """``touch`` of a short list of ids, each IN_USE or CACHED, in one Python loop;
+        False (nothing changed) when the list needs the array path. A CACHED page listed
+        twice is revived once and gets a count of 2, as on the array path."""
+        rc, state, pos = self._rc, self._state_b, self._log_pos
+        revived = []
+        done = 0
+        try:
+            for page in ids:
+                count = rc[page]
+                if page < 0 or page.__class__ is not int:
+                    break
+                if not count:
+                    if state[page] != _CACHED:
+                        break
+                    revived.append((page, pos[page]))
+                    state[page] = _FREE  # the byte an IN_USE page keeps; its log entry dies
+                    pos[page] = -1
+                rc[page] = count + 1
+                done += 1
+        except (IndexError, TypeError):
+            pass
+        if done != len(ids):
+            for page in ids[:done]:
+                rc[page] -= 1
+            for page, at in revived:
+                state[page] = _CACHED
+                pos[page] = at
             return False
-        pos, revived = self._log_pos, 0
-        for page in ids:
-            count = rc[page]
-            if not count:  # revive: the byte an IN_USE page keeps, and its log entry dies
-                state[page] = _FREE
-                pos[page] = -1
-                revived += 1
-            rc[page] = count + 1
         if revived:
-            self._num_cached -= revived
-            self._revived += revived
+            self._num_cached -= len(revived)
+            self._revived += len(revived)
             self._note_peak()
         return True
 

@@ -613,7 +613,7 @@ def main() -> None:
         print(f"{name:<34}" + "".join(f"{k} {v * 1e6:9.2f} us  " for k, v in med.items())
               + f"vLLM/pagedkv {ratio:5.2f}x" + bound, flush=True)
 
-    for n, iters in ((1, 5000 * scale), (256, 40 * scale)):
+    for n, iters in ((1, 5000 * scale), (4, 2000 * scale), (16, 1000 * scale), (64, 300 * scale), (256, 40 * scale)):
         for caching in (False, True):
             sides = {"pagedkv": GetFree("pagedkv", n, iters, caching),
                      "vLLM model": GetFree("vllm", n, iters, caching)}

@@ -358,3 +358,37 @@ def test_needs_copy_is_true_exactly_for_shared_or_cacheable_pages(make):
         a.needs_copy([1.5])
     assert snapshot(a) == before
     a.check()
+
+
+@pytest.mark.parametrize("size", [2, 32, 33, 80])
+def test_short_lists_and_arrays_take_the_loop_and_end_where_the_array_path_ends(make, size):
+    """Lists and arrays of up to 32 ids take a Python loop; a tuple always takes the
+    array path. The same calls given each way end in the same state, refusals
+    included, and a refusal anywhere in the list changes nothing."""
+    def run(wrap):
+        a = make(2 * size + 4, null_page=True)
+        pages = a.allocate(2 * size).tolist()
+        held, cached = pages[:size], pages[size:]
+        a.set_cacheable(wrap(cached))
+        a.decref(wrap(cached[::-1]))  # all cached, newest first in the LRU
+        a.touch(wrap(cached[: size // 2] + cached[:1]))  # revive half, the first twice
+        a.incref(wrap(held))
+        errors = []
+        for call, ids in ((a.decref, held + [held[0]]),  # one id listed twice: dropped twice
+                          (a.decref, held[1:] + [held[1]]),  # held[1] has no reference left for the repeat
+                          (a.decref, held[:-1] + [cached[-1]]),  # a CACHED page at the end
+                          (a.touch, cached + [2 * size + 3]),  # a FREE page at the end
+                          (a.touch, cached[:1] + [-1]),
+                          (a.decref, held[:1] + [10 * size])):
+            before = snapshot(a)
+            try:
+                call(wrap(ids))
+            except (RefCountError, InvalidPage) as e:
+                errors.append(type(e).__name__)
+                assert snapshot(a) == before
+        a.check()
+        return snapshot(a), errors
+
+    as_list = run(list)
+    assert as_list == run(lambda ids: np.array(ids, dtype=np.int64)) == run(tuple)
+    assert as_list[1] == ["RefCountError", "RefCountError", "RefCountError", "InvalidPage", "InvalidPage"]
