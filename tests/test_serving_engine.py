@@ -446,12 +446,45 @@ def test_compiled_decode_is_the_default_with_cuda_refused_where_it_cannot_serve_
     assert engine.pool.allocator.stats().in_use == 0
 
 
-def test_the_engine_refuses_a_sliding_window_model_up_front():
-    """A PagedBatch decodes sliding windows (test_batch.py), but the engine's prefix
-    cache does not serve them: the engine says so when it is made, not at a request."""
+def test_the_engine_refuses_a_sliding_window_model_with_prefix_caching_up_front():
+    """A sliding layer gives pages back as they leave its window, so the prefix cache
+    cannot keep a prompt's pages: the engine says so when it is made, not at a request."""
     from pagedkv import NotSupportedError
 
-    pool = PagePool(num_layers=4, num_kv_heads=2, head_dim=16, page_size=4, num_pages=64, dtype=mx.float32)
-    with pytest.raises(NotSupportedError, match="sliding windows"):
+    L, H, D = kv_dims("gemma3_text")
+    pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=4, num_pages=64, dtype=mx.float32)
+    with pytest.raises(NotSupportedError, match="prefix_caching=False"):
         Engine(make_model("gemma3_text"), pool, decode=letters)
     assert pool.allocator.num_in_use() == 0 and not pool.allocator.evict_listeners  # (no prefix cache left on it)
+
+
+@pytest.mark.parametrize("overlap_decode", [True, False])
+def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_window_pages_only(overlap_decode):
+    """gemma3_text (window 12 on every other layer) through the engine: each request's
+    greedy tokens are mlx-lm's own (its rotating caches, one request alone), through
+    preemptions; a sliding layer's table never holds more than its window's pages; every
+    page comes back."""
+    model = make_model("gemma3_text")
+    L, H, D = kv_dims("gemma3_text")
+    ps, window = 4, 12
+    pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=ps, num_pages=40, dtype=mx.float32)
+    engine = Engine(model, pool, decode=letters, max_batch=8, prefix_caching=False, overlap_decode=overlap_decode)
+    sink, rng = Sink(), random.Random(0)
+    reqs, work = [], []
+    for i in range(12):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 30))]
+        reqs.append((f"r{i}", prompt, rng.randrange(1, 30)))
+        work.append(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=reqs[-1][2]), sink))
+        engine.add(work[-1])
+    most = 0
+    while engine.has_work:
+        engine.step()
+        for spec, _ in engine.batch.rows.layout.layers:
+            for table in engine.batch.rows.tables(spec):
+                if table.window is not None:
+                    most = max(most, table.num_pages)
+    assert sum(w.preemptions for w in work) > 0  # 40 pages of 4 tokens are too few at once
+    assert 0 < most <= -(-window // ps) + 1  # the window's pages (and the one being written)
+    for rid, prompt, n in reqs:
+        assert sink.ids(rid) == solo(model, prompt, n), rid
+    assert pool.allocator.stats().in_use == 0

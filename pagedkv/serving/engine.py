@@ -193,6 +193,9 @@ class Engine:
         prompt is spread over several steps, with the running rows decoding between
         them, so a long prompt cannot stall everyone's next token).
         ``prefill_chunk``: the most tokens in one forward.
+        ``prefix_caching``: keep full prompt pages for later requests (``PrefixCache``).
+        A model with sliding-window layers needs it off (``NotSupportedError`` here
+        otherwise); its sliding layers then hold only their window's pages per row.
         ``disk_tier``: keeps evicted prefix pages on disk (and every cached page at
         ``close``), so prefix hits survive eviction and restarts.
         ``state_pool``: a hybrid model's recurrent-state slots (one per running request,
@@ -218,10 +221,12 @@ class Engine:
         if not isinstance(overlap_decode, bool):
             raise InvalidTypeError(f"overlap_decode must be a bool, got {type(overlap_decode).__name__}")
         self.overlap_decode = overlap_decode
-        if layout_for(model, pool, state_pool=state_pool).has_windows:
-            # (checked before the model is routed or the pool touched; a PagedBatch
-            # decodes sliding windows, but the engine's prefix cache does not serve them)
-            raise NotSupportedError("the serving engine serves models without sliding windows")
+        if prefix_caching and layout_for(model, pool, state_pool=state_pool).has_windows:
+            # (checked before the model is routed or the pool touched: a sliding layer
+            # gives its pages back as they leave the window, so a prompt's pages cannot
+            # all be kept for a later request)
+            raise NotSupportedError("the prefix cache does not serve models with sliding windows: "
+                                    "pass prefix_caching=False to serve this one")
         self._new_batch()
         self.compiled_decode = self._compiled is not None  # what the engine does
         if disk_tier is not None and not prefix_caching:
