@@ -86,6 +86,16 @@ _MUTATORS = ("allocate", "allocate_page", "incref", "decref", "decref_page", "fo
              "set_cacheable", "evict", "allocate_contiguous")
 
 
+def _short_list(ids: object) -> list | None:
+    """``ids`` as a list for the short loops (a list, or a 1-d array, of up to ``_FEW``
+    ids), or None: the array path takes it."""
+    if ids.__class__ is list:
+        return ids if len(ids) <= _FEW else None
+    if ids.__class__ is np.ndarray and ids.size <= _FEW and ids.ndim == 1:
+        return ids.tolist()
+    return None
+
+
 def _require_count(n: object, what: str = "n") -> int:
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
         raise InvalidArgumentType(f"{what} must be an int, got {type(n).__name__}")
@@ -417,10 +427,8 @@ class RefCountingAllocator:
         the most-recently-used end in the order listed) or FREE. Raises ``RefCountError``
         (a double free) if a page is not IN_USE or would drop below zero.
         """
-        if ids.__class__ is list:
-            if len(ids) <= _FEW and self._decref_few(ids):
-                return
-        elif ids.__class__ is np.ndarray and ids.size <= _FEW and ids.ndim == 1 and self._decref_few(ids.tolist()):
+        few = _short_list(ids)
+        if few is not None and self._decref_few(few):
             return
         a = self._ids(ids)
         if a.size <= 1:
@@ -455,10 +463,8 @@ class RefCountingAllocator:
 
         CACHED pages are revived (removed from the LRU) with count 1.
         """
-        if ids.__class__ is list:
-            if len(ids) <= _FEW and self._touch_few(ids):
-                return
-        elif ids.__class__ is np.ndarray and ids.size <= _FEW and ids.ndim == 1 and self._touch_few(ids.tolist()):
+        few = _short_list(ids)
+        if few is not None and self._touch_few(few):
             return
         a = self._ids(ids)
         if a.size == 0:
