@@ -551,6 +551,8 @@ class RefCountingAllocator:
                 rc[page] += 1
             return False
         if zero:
+            if len(zero) > 1 and len(set(ids)) != len(ids):  # a repeat: list order is first sight, as on the array path
+                zero.sort(key=ids.index)
             self._zeroed += len(zero)
             if self._caching:  # decref_page's transition, page by page
                 flags, state, pos, log, give = self._cacheable_b, self._state_b, self._log_pos, self._log, self._give_free
