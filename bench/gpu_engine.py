@@ -1,8 +1,8 @@
 """The serving ``Engine`` with and without ``compiled_decode`` and ``overlap_decode``,
 same requests, one run.
 
-    python3 bench/gpu_engine.py [--model 1b|8b|tiny] [--requests 32] [--prompt 512] [--new 128]
-                                [--rounds 2] [--dtype float16|bfloat16|float32]
+    python3 bench/gpu_engine.py [--model 1b|8b|tiny|gemma3-1b|gemma3-tiny] [--requests 32] [--prompt 512]
+                                [--new 128] [--rounds 2] [--dtype float16|bfloat16|float32]
 
 Issue 15: what ``CompiledDecode`` gives a server, not a fixed batch. ``--requests``
 requests of ``--prompt`` random tokens each are queued at once; request i asks for
@@ -23,7 +23,10 @@ the compiled sides their traces so far; per round, compiled / eager and each sid
 overlap / without. Last: how many requests gave the same tokens on each side as on
 ``eager`` (fp16 rounding can flip a near-tie between random-weight logits).
 Model: mlx-lm's llama class with random weights (``gpu_generate.model_of``), fp16 unless
-``--dtype`` says otherwise.
+``--dtype`` says otherwise; ``--model gemma3-1b`` (or ``gemma3-tiny``) is mlx-lm's
+gemma3_text class in Gemma 3 1B's shape (26 layers, 5 of each 6 with a sliding window of
+512; head_dim 256, one KV head; a 262k vocabulary), so prompts of 512 and more leave the
+window and the sliding layers drop pages as they decode.
 """
 
 from __future__ import annotations
@@ -45,6 +48,28 @@ from pagedkv.serving import Engine, GenerationRequest, SamplingParams  # noqa: E
 
 SHAPES.setdefault("tiny", dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
                                num_key_value_heads=2, head_dim=32, rope_theta=10000.0))
+# gemma3_text shapes: 5 sliding-window layers to each full-attention one
+GEMMA3_SHAPES = {
+    "gemma3-1b": dict(hidden_size=1152, num_hidden_layers=26, intermediate_size=6912, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, sliding_window=512, vocab_size=262144,
+                      query_pre_attn_scalar=256),
+    "gemma3-tiny": dict(hidden_size=256, num_hidden_layers=6, intermediate_size=512, num_attention_heads=4,
+                        num_key_value_heads=1, head_dim=64, sliding_window=64, vocab_size=32000,
+                        query_pre_attn_scalar=64),
+}
+
+
+def gemma3_of(shape: str, dtype):
+    """mlx-lm's gemma3_text class with random weights (Gemma 3 1B's shape, or a tiny one)."""
+    from mlx_lm.models import gemma3_text
+
+    cfg = dict(model_type="gemma3_text", rms_norm_eps=1e-6, sliding_window_pattern=6, rope_theta=1000000.0,
+               rope_local_base_freq=10000.0, max_position_embeddings=32768, **GEMMA3_SHAPES[shape])
+    mx.random.seed(0)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(cfg))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
 
 
 def make_engine(model, prompts: list[list[int]], news: list[int], compiled: bool, overlap: bool, dtype) -> Engine:
@@ -81,7 +106,7 @@ def run_round(engine: Engine, prompts: list[list[int]], news: list[int], r: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=sorted(SHAPES), default="1b")
+    ap.add_argument("--model", choices=sorted(SHAPES) + sorted(GEMMA3_SHAPES), default="1b")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
@@ -89,11 +114,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
-    model = model_of(args.model, dtype)
+    model = gemma3_of(args.model, dtype) if args.model in GEMMA3_SHAPES else model_of(args.model, dtype)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, model.args.vocab_size, args.prompt).tolist() for _ in range(args.requests)]
     news = [args.new - (i % 8) * (args.new // 16) for i in range(args.requests)]
-    print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, {args.dtype}; {args.requests} requests "
+    kind = "gemma3_text" if args.model in GEMMA3_SHAPES else "llama"
+    print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped {kind}, {args.dtype}; {args.requests} requests "
           f"of {args.prompt} prompt tokens, {min(news)}-{max(news)} new tokens each", flush=True)
     print(f"{'round':>5} {'side':>12} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'traces':>7}", flush=True)
     sides = {"eager": (False, False), "eager+ovl": (False, True), "compiled": (True, False),

@@ -62,8 +62,15 @@ row, with the same bookkeeping (the rows, their pages and positions end up exact
 where the eager step leaves them; the batch can continue either way) and the same
 logits up to float rounding. Bad tokens raise a typed error and change nothing; a step
 that cannot get its pages raises ``PoolExhausted`` with every row as it was. Not for
-hybrid (recurrent) models or sliding windows (a ``PagedBatch`` decodes those eagerly),
-nor KV-sharing ``DonorCache`` layers: ``NotSupportedError``.
+hybrid (recurrent) models (a ``PagedBatch`` decodes those eagerly), nor KV-sharing
+``DonorCache`` layers: ``NotSupportedError``.
+
+Sliding-window layers (gemma3's local layers) have a table kind of their own, whose
+tables replace the pages that left the window by the null page. Their device tables
+keep listing such a page until the next copy: it sits in a column before the window's
+first key (``position + 1 - window``, computed in the trace): the kernel starts its
+reads at that key and the gathered read (CPU) masks the columns before it. So a drop
+alone does not copy the table.
 
 Ownership: the batch keeps its rows; this object holds the model, the batch, the traces,
 the device step state and the lookahead pages. Costs per step on the host: the
@@ -183,6 +190,7 @@ class CompiledDecode:
         self._expect = np.zeros(0, dtype=np.int64)
         self._seen: list[list[PageTable]] = [[] for _ in specs]
         self._versions: list[list[int]] = [[] for _ in specs]
+        self._drops: list = [None for _ in specs]  # per windowed spec: each table's first_visible()
         self.traces = 0
         self.uploads = 0  # steps that copied their state to the device (the first, and after changes)
         # The traced function and the layers reach this object through a weak reference:
@@ -195,8 +203,8 @@ class CompiledDecode:
     def refusal(batch: PagedBatch) -> str | None:
         """Why a compiled step cannot serve ``batch``'s layers (None: it can)."""
         layout = batch.rows.layout
-        if layout.state_slots or layout.has_windows:
-            return "a compiled decode step serves full-attention layers only (no recurrent layers, no sliding windows)"
+        if layout.state_slots:
+            return "a compiled decode step serves attention layers only (no recurrent layers)"
         if len(batch.caches) != layout.num_layers:
             return "a compiled decode step needs one cache per model layer (no KV sharing)"
         return None
@@ -224,7 +232,9 @@ class CompiledDecode:
             page = mx.take_along_axis(table, (positions // pool.page_size)[:, None], axis=1)  # [B, 1]
             rows = pool.device_rows(page)  # [B, kv_heads, 1]: the shape of the step's keys
             slots = (positions % pool.page_size)[:, None, None]
-            per_spec.append((rows, slots, table, lengths, starts))
+            # a sliding window's first key (columns before it may list pages it dropped)
+            first = starts if spec.window is None else mx.maximum(lengths - spec.window, 0)
+            per_spec.append((rows, slots, table, lengths, first))
         self._inputs = (positions, per_spec)
         try:
             return self.model(tokens, cache=self._layers), positions
@@ -265,11 +275,14 @@ class CompiledDecode:
         # the pool's lists as they are: a trace that fails leaves placeholders in them
         arrays = [(arrs, list(arrs)) for state in self._state for part in state for arrs in part]
         taken = [self._taken(rows, s, start) if supply is not None else [] for s in specs]
-        # the tables' versions after the reservation (closing the step leaves them)
+        # the tables' versions after the reservation (closing the step leaves them), and
+        # per windowed spec how many leading pages each table has dropped
         versions = [[t.version for t in rows.tables(s)] for s in specs]
+        drops = [[t.first_visible() for t in rows.tables(s)] if rows.layout.specs[s].window is not None else None
+                 for s in specs]
         fresh: list = []  # lookahead pages this call took: given back if it fails
         try:
-            device = self._device if same_rows and self._holds(start, versions, taken) else None
+            device = self._device if same_rows and self._holds(start, versions, drops, taken) else None
             if device is None:
                 kept = self._supply if supply is not None else [np.full(rows.num_rows, -1, np.int64) for _ in specs]
                 next_supply = [ids.copy() for ids in kept]
@@ -298,7 +311,7 @@ class CompiledDecode:
             else:
                 self._supply[s][taken[s]] = -1
             self._seen[s] = list(rows.tables(s))
-        self._versions = versions
+        self._versions, self._drops = versions, drops
         self._device = (positions, device[1], device[2])
         self._expect = start + 1
         return logits
@@ -309,19 +322,25 @@ class CompiledDecode:
         supply, ps = self._supply[spec], rows.layout.specs[spec].pool.page_size
         tables = rows.tables(spec)
         return [i for i in np.flatnonzero(start % ps == 0).tolist()
-                if supply[i] >= 0 and tables[i].num_pages > start[i] // ps
+                if supply[i] >= 0 and tables[i].num_listed > start[i] // ps
                 and tables[i].page_at(int(start[i]) // ps) == supply[i]]
 
-    def _holds(self, start: np.ndarray, versions: list[list[int]], taken: list[list[int]]) -> bool:
+    def _holds(self, start: np.ndarray, versions: list[list[int]], drops: list, taken: list[list[int]]) -> bool:
         """Whether the device state of the last step is this step's, advanced by one:
         the rows one position on, and their pages (``versions``, per spec) changed only
-        by taken lookahead pages (which the device tables list already)."""
+        by taken lookahead pages (which the device tables list already) and by pages a
+        sliding window dropped (``drops``: the device tables still list them, in columns
+        before the window's first key, which no read reaches; each drop is one version)."""
         if self._device is None or not np.array_equal(start, self._expect):
             return False
         for s, (now, was) in enumerate(zip(versions, self._versions)):
             if now != was:
-                changed = [i for i, (a, b) in enumerate(zip(now, was)) if a != b]
-                if changed != taken[s] or any(now[i] != was[i] + 1 for i in changed):
+                bumps = [0] * len(now)
+                for i in taken[s]:
+                    bumps[i] = 1
+                if drops[s] is not None:
+                    bumps = [n + (a != b) for n, a, b in zip(bumps, drops[s], self._drops[s])]
+                if any(a != b + n for a, b, n in zip(now, was, bumps)):
                     return False
         return True
 

@@ -527,14 +527,14 @@ class RowSet:
         if growing is None:  # the specs whose tables end at ``start`` (the caller may know)
             growing = [s for s, ts in enumerate(self._tables)
                        if all(t.num_tokens == p for t, p in zip(ts, start.tolist()))]
-        # per spec: one vectorised append for all its tables (the decode step), or a
-        # plan per table where a page must be copied first or a window drops pages
+        # per spec: one vectorised append for all its tables (the decode step, a window's
+        # drops included), or a plan per table where a page must be copied first
         plans: list = []
         needs: list[tuple[PagePool, int]] = []
         for s in growing:
             batch = BatchAppend.plan(self._tables[s], count, tokens=start,
                                      supply=None if supply is None else supply[s],
-                                     vouched=vouched and self.layout.specs[s].window is None)
+                                     vouched=vouched)
             if batch is not None:
                 plans.append(batch)
                 needs.append((batch.pool, batch.num_new_pages))

@@ -119,6 +119,12 @@ class PageTable:
         return self._n - self._dropped
 
     @property
+    def num_listed(self) -> int:
+        """Page indices listed, dropped pages included (``num_pages`` plus the pages a
+        window dropped): the next page appended goes to index ``num_listed``."""
+        return self._n
+
+    @property
     def released(self) -> bool:
         return self._released
 
@@ -368,13 +374,15 @@ class BatchAppend:
     journaled ``prepare_write(num_tokens, count)`` per table.
 
     ``plan`` decides without changing anything; it returns None where the per-table path
-    must run instead: a sliding window (pages drop), a released table, a written range
-    that spans more than one listed page, or a listed page that needs copying first
-    (shared, or registered in a prefix cache). ``apply`` then takes every new page in
-    one ``allocate`` (``PoolExhausted`` before any change), hands them out in table
-    order and moves each table's length; ``undo`` puts the lengths and listed pages back
-    and returns the new pages last first, so a LIFO free list is as it was; ``commit``
-    has nothing to give up (no page was copied away from or dropped).
+    must run instead: tables of other pools or windows, a released table, a written
+    range that spans more than one listed page, or a listed page that needs copying
+    first (shared, or registered in a prefix cache). ``apply`` then takes every new page
+    in one ``allocate`` (``PoolExhausted`` before any change), hands them out in table
+    order, moves each table's length and, with a sliding window, replaces the pages that
+    left it by the null page, as ``prepare_write`` does; ``undo`` puts the lengths,
+    listed pages and dropped pages back and returns the new pages last first, so a LIFO
+    free list is as it was; ``commit`` gives up the dropped pages' references (rows in
+    table order, pages in page order: what a ``prepare_write`` per table gives up).
 
     A caller that holds pages ahead of need (a compiled decode step's lookahead,
     :mod:`pagedkv.compiled_decode`) passes them as ``supply``: int64 [B], a page id per
@@ -385,10 +393,10 @@ class BatchAppend:
 
     Ownership: the tables stay their owner's; the record holds the new page ids until
     the step closes. Costs: ``plan`` O(B) Python attribute reads plus one allocator
-    query; ``apply`` one allocation and O(pages allocated).
+    query; ``apply`` one allocation and O(pages allocated), plus O(B) with a window.
     """
 
-    __slots__ = ("tables", "count", "need", "_tokens", "_listed", "_new", "_supplied")
+    __slots__ = ("tables", "count", "need", "_tokens", "_listed", "_new", "_supplied", "_drops")
 
     def __init__(self, tables: list[PageTable], count: int, need: np.ndarray, tokens: np.ndarray,
                  listed: np.ndarray, supplied: np.ndarray) -> None:
@@ -397,19 +405,20 @@ class BatchAppend:
         self._tokens, self._listed = tokens, listed
         self._supplied = supplied  # int64 [B]: the supplied page each table takes, or -1
         self._new = _NO_PAGES
+        self._drops: list[tuple[PageTable, int, np.ndarray]] = []  # (table, its _dropped before, pages dropped)
 
     @classmethod
     def plan(cls, tables: list[PageTable], count: int, tokens: np.ndarray | None = None,
              supply: np.ndarray | None = None, vouched: bool = False) -> BatchAppend | None:
         """``tokens``: the tables' ``num_tokens`` as int64 [B], where the caller has them;
         ``supply``: pages the caller holds for the tables (see the class doc);
-        ``vouched``: the caller has made sure the tables are live, of one pool and without
-        a window (a ``RowSet`` for a spec without one), so they are not checked again."""
+        ``vouched``: the caller has made sure the tables are live, of one pool and of one
+        window (a ``RowSet`` for one spec), so they are not checked again."""
         if not tables:
             return None
-        pool = tables[0].pool
+        pool, window = tables[0].pool, tables[0].window
         ps, b = pool.page_size, len(tables)
-        if not vouched and any(t.window is not None or t._released or t.pool is not pool for t in tables):
+        if not vouched and any(t._released or t.pool is not pool or t.window != window for t in tables):
             return None
         if tokens is None:
             tokens = np.fromiter((t.num_tokens for t in tables), np.int64, b)
@@ -454,11 +463,28 @@ class BatchAppend:
                 at += n
         for t, n in zip(self.tables, (self._tokens + self.count).tolist()):
             t.num_tokens = n
+        window = self.tables[0].window
+        if window is not None:
+            # the earliest key a query from the first written token on can see
+            droppable = np.maximum(self._tokens - window + 1, 0) // self.pool.page_size
+            for i in np.flatnonzero(droppable > np.fromiter((t._dropped for t in self.tables), np.int64,
+                                                          len(self.tables))).tolist():
+                t = self.tables[i]
+                self._drops.append((t, t._dropped, t._drop_outside_window(int(self._tokens[i]))))
 
     def commit(self) -> None:
         self._new = _NO_PAGES
+        if self._drops:
+            owed = np.concatenate([gone for _, _, gone in self._drops])
+            self._drops = []
+            self.pool.allocator.decref(owed)
 
     def undo(self) -> None:
+        for t, dropped, gone in reversed(self._drops):
+            t._pages[dropped : dropped + gone.size] = gone
+            t._dropped = dropped
+            t.version += 1
+        self._drops = []
         for t, n, listed in zip(self.tables, self._tokens.tolist(), self._listed.tolist()):
             if t._n != listed:
                 t._n = listed

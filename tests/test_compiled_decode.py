@@ -37,6 +37,17 @@ def snapshot(batch):
             batch.pool.allocator.num_available())
 
 
+def step_both(model, eager, step, tok):
+    """One eager step of ``eager`` and one compiled ``step``, fed the same tokens: the
+    same logits (float rounding) and greedy tokens; returns those tokens."""
+    le = model(tok, cache=eager.caches)
+    lc = step(tok)
+    assert mx.allclose(le, lc, atol=LOGITS_ATOL).item()
+    tok = mx.argmax(le[:, -1], axis=-1)[:, None]
+    assert tok.tolist() == mx.argmax(lc[:, -1], axis=-1)[:, None].tolist()
+    return tok
+
+
 @pytest.mark.parametrize("lookahead", [True, False])
 @pytest.mark.parametrize("pages", PAGE_KINDS)
 def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages, lookahead):
@@ -46,14 +57,9 @@ def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages, loo
     comp_pool = make_pool("llama", page_size=4, num_pages=96, pages=pages)
     eager, compiled = batch_of(model, eager_pool, lengths), batch_of(model, comp_pool, lengths)
     step = CompiledDecode(model, compiled, bucket=2, lookahead=lookahead)  # small buckets: retraces
-    tok_e = tok_c = mx.array([[1], [2], [3]])
+    tok = mx.array([[1], [2], [3]])
     for _ in range(12):  # crosses page boundaries of every row
-        le = model(tok_e, cache=eager.caches)
-        lc = step(tok_c)
-        assert mx.allclose(le, lc, atol=LOGITS_ATOL).item()
-        tok_e = mx.argmax(le[:, -1], axis=-1)[:, None]
-        tok_c = mx.argmax(lc[:, -1], axis=-1)[:, None]
-        assert tok_e.tolist() == tok_c.tolist()
+        tok = step_both(model, eager, step, tok)
         e, c = snapshot(eager), snapshot(compiled)
         held = step.lookahead_pages  # at most one per row (a row that took its page has none until the next copy)
         assert held <= (len(lengths) if lookahead else 0)
@@ -65,7 +71,7 @@ def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages, loo
     assert step.uploads <= (5 if lookahead else 12)
     assert step.release_lookahead() == held and step.lookahead_pages == 0
     # the compiled batch carries on eagerly, against mlx-lm's own cache per row
-    last = model(tok_c, cache=compiled.caches)
+    last = model(tok, cache=compiled.caches)
     for row, n in enumerate(lengths):
         ref = make_prompt_cache(model)
         model(mx.array(prompt_of(n, seed=row + 1))[None], cache=ref)
@@ -77,6 +83,48 @@ def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages, loo
     eager.release()
     compiled.release()
     assert comp_pool.allocator.num_available() == eager_pool.allocator.num_available()
+
+
+@pytest.mark.parametrize("lookahead", [True, False])
+def test_compiled_steps_of_a_sliding_window_model_match_the_eager_batch_and_its_dropped_pages(lookahead):
+    """gemma3_text (window 12 on every other layer, pages of 4): rows longer than the
+    window and rows that grow past it. Each step gives the eager step's logits and
+    tokens and leaves every table kind's pages, dropped ones included, as the eager step
+    does; a drop alone copies no table, so with lookahead the state goes to the device
+    about once per page of steps; every page comes back."""
+    model = make_model("gemma3_text")
+    lengths = [5, 13, 30]
+    eager_pool = make_pool("gemma3_text", page_size=4, num_pages=96)
+    comp_pool = make_pool("gemma3_text", page_size=4, num_pages=96)
+    eager, compiled = batch_of(model, eager_pool, lengths), batch_of(model, comp_pool, lengths)
+    layout = compiled.rows.layout
+    assert layout.has_windows and CompiledDecode.refusal(compiled) is None
+    step = CompiledDecode(model, compiled, bucket=2, lookahead=lookahead)
+
+    def tables(batch):
+        return [[(t.first_visible(), t.page_ids(0, t.num_pages).tolist()) for t in batch.rows.tables(s)]
+                for s in range(len(layout.specs))]
+
+    def windowed(batch):
+        return [t for s, spec in enumerate(layout.specs) if spec.window is not None for t in batch.rows.tables(s)]
+
+    tok = mx.array([[1], [2], [3]])
+    steps = 24
+    for _ in range(steps):  # every row drops pages; each crosses six page boundaries
+        tok = step_both(model, eager, step, tok)
+        assert (eager.rows.offsets == compiled.rows.offsets).all()
+        # the same first visible page and the same number of listed pages (ids differ:
+        # lookahead pages are taken from the pool ahead of time)
+        assert [[(f, len(p)) for f, p in spec] for spec in tables(eager)] == \
+            [[(f, len(p)) for f, p in spec] for spec in tables(compiled)]
+        assert max(t.num_pages - t.first_visible() // 4 for t in windowed(compiled)) <= 4  # ceil(12 / 4) + 1
+        assert eager_pool.allocator.num_available() == comp_pool.allocator.num_available() + step.lookahead_pages
+    assert all(t.first_visible() > 0 for t in windowed(compiled))
+    assert step.uploads <= (steps // 4 + 2 if lookahead else steps)
+    eager.release()
+    compiled.release()
+    del step  # its lookahead pages go back
+    assert comp_pool.allocator.num_in_use() == eager_pool.allocator.num_in_use() == 0
 
 
 def test_a_step_that_cannot_get_pages_changes_nothing():

@@ -270,11 +270,11 @@ def test_a_caller_holding_an_unevaluated_read_does_not_make_writes_copy():
     assert mx.get_peak_memory() - base < pool.nbytes / 4
 
 
-def tables_at(pool, lengths):
+def tables_at(pool, lengths, window=None):
     """Tables holding ``lengths`` tokens each (pages allocated, nothing written)."""
     tables = []
     for n in lengths:
-        t = PageTable(pool)
+        t = PageTable(pool, window=window)
         if n:
             t.prepare_write(0, n)
             t.num_tokens = n
@@ -336,6 +336,45 @@ def test_a_batch_append_takes_supplied_pages_and_an_undo_leaves_them_with_the_su
     assert alloc.num_in_use() == 0
 
 
+def test_a_windowed_batch_append_drops_and_frees_what_appending_table_by_table_does_and_undo_puts_all_back():
+    """Sliding-window tables (window 6, pages of 4) through 40 steps: each step's batch
+    append lists, drops and frees (in the same order: the free lists match) what a
+    journaled ``prepare_write`` per table, committed at the step's end, does on a twin
+    pool; a step undone instead leaves the
+    tables, their dropped pages and the free list exactly as before it."""
+    lengths = [0, 3, 4, 9, 17]
+    pool, twin = pool_of(num_pages=40, page_size=4), pool_of(num_pages=40, page_size=4)
+    tables, alone = tables_at(pool, lengths, window=6), tables_at(twin, lengths, window=6)
+    alloc = pool.allocator
+
+    def held(ts, a):
+        return ([t.pages.tolist() for t in ts], [t.first_visible() for t in ts], [t.num_tokens for t in ts],
+                a._free_ids().tolist(), a.num_in_use())
+
+    for step in range(40):
+        before = held(tables, alloc)
+        batch = BatchAppend.plan(tables, 1)
+        batch.apply()
+        if step % 3 == 2:  # this one is undone, then done again
+            batch.undo()
+            assert held(tables, alloc) == before
+            batch = BatchAppend.plan(tables, 1)
+            batch.apply()
+        batch.commit()
+        records = []  # as a row set's step ran them before: journaled, committed at its close
+        for t in alone:
+            t.prepare_write(t.num_tokens, 1, undo=records)
+        for t, record in zip(alone, records):
+            t.commit(record)
+        assert held(tables, alloc) == held(alone, twin.allocator)
+        assert max(t.num_pages for t in tables) <= 3  # ceil(6 / 4) + 1: the window's pages only
+    assert any(t.first_visible() > 0 for t in tables)
+    for t in tables:
+        t.release()
+    alloc.check()
+    assert alloc.num_in_use() == 0
+
+
 def test_a_batch_append_that_cannot_get_its_pages_changes_nothing():
     pool = pool_of(num_pages=4)  # the null page and 3 pages
     tables = tables_at(pool, [4, 4, 4])
@@ -347,7 +386,7 @@ def test_a_batch_append_that_cannot_get_its_pages_changes_nothing():
     assert [t.num_tokens for t in tables] == [4, 4, 4]
 
 
-def test_a_batch_append_leaves_shared_windowed_and_mixed_tables_to_the_per_table_path():
+def test_a_batch_append_leaves_shared_and_mixed_tables_to_the_per_table_path():
     pool, other = pool_of(), pool_of()
     forked = tables_at(pool, [6])
     assert BatchAppend.plan(forked + [forked[0].fork()], 1) is None  # the partial page needs a copy
@@ -356,7 +395,8 @@ def test_a_batch_append_leaves_shared_windowed_and_mixed_tables_to_the_per_table
     pool.allocator.set_cacheable([int(cached[0].pages[1])])
     assert BatchAppend.plan(cached, 1) is None  # a prefix cache keeps that page's content
     assert BatchAppend.plan(tables_at(pool, [8]), 1) is not None  # a full cached page needs no copy
-    assert BatchAppend.plan([PageTable(pool, window=8)], 1) is None
+    assert BatchAppend.plan([PageTable(pool, window=8)], 1) is not None  # one window: pages drop in the batch
+    assert BatchAppend.plan([PageTable(pool, window=8), PageTable(pool)], 1) is None  # two windows
     assert BatchAppend.plan(tables_at(pool, [2]) + tables_at(other, [2]), 1) is None
     released = tables_at(pool, [2])
     released[0].release()

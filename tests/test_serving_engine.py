@@ -458,17 +458,20 @@ def test_the_engine_refuses_a_sliding_window_model_with_prefix_caching_up_front(
     assert pool.allocator.num_in_use() == 0 and not pool.allocator.evict_listeners  # (no prefix cache left on it)
 
 
-@pytest.mark.parametrize("overlap_decode", [True, False])
-def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_window_pages_only(overlap_decode):
-    """gemma3_text (window 12 on every other layer) through the engine: each request's
-    greedy tokens are mlx-lm's own (its rotating caches, one request alone), through
-    preemptions; a sliding layer's table never holds more than its window's pages; every
-    page comes back."""
+@pytest.mark.parametrize("overlap_decode, compiled", [(True, False), (False, False), (True, True)])
+def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_window_pages_only(overlap_decode,
+                                                                                                compiled):
+    """gemma3_text (window 12 on every other layer) through the engine, eager or with
+    ``CompiledDecode``: each request's greedy tokens are mlx-lm's own (its rotating
+    caches, one request alone), through preemptions; a sliding layer's table never
+    holds more than its window's pages; every page comes back."""
     model = make_model("gemma3_text")
     L, H, D = kv_dims("gemma3_text")
     ps, window = 4, 12
     pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=ps, num_pages=40, dtype=mx.float32)
-    engine = Engine(model, pool, decode=letters, max_batch=8, prefix_caching=False, overlap_decode=overlap_decode)
+    engine = Engine(model, pool, decode=letters, max_batch=8, prefix_caching=False, overlap_decode=overlap_decode,
+                    compiled_decode=compiled)
+    assert engine.compiled_decode is compiled
     sink, rng = Sink(), random.Random(0)
     reqs, work = [], []
     for i in range(12):
