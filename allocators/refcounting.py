@@ -27,8 +27,8 @@ sequence crosses a page boundary) touch a handful of Python objects and build no
 array; the batched calls (a prompt's pages, a view's pages, a released sequence) are a
 few vectorised numpy operations, O(n) in C, with as few reductions as possible (each numpy
 call costs about a microsecond whatever its size). A list or 1-d array of up to ``_FEW``
-ids given to ``decref`` or ``touch`` (a list, for ``set_cacheable``) takes one plain Python
-loop instead, cheaper at that size: it checks each page as it changes it and undoes what
+ids given to ``decref``, ``touch`` or ``set_cacheable`` takes one plain Python loop
+instead, cheaper at that size: it checks each page as it changes it and undoes what
 it changed when a page is refused, and the array path then checks again and reports.
 ``IN_USE`` lives in the count alone, so handing out a free page writes one count and
 freeing it writes one count back.
@@ -492,14 +492,15 @@ class RefCountingAllocator:
 
         Un-marking a CACHED page frees it at once (its key was dropped).
         """
-        if cacheable is True and ids.__class__ is list and len(ids) <= _FEW:  # a few pages in use
+        few = _short_list(ids) if cacheable is True else None
+        if few is not None:  # a few pages in use
             rc, n = self._rc, self._n
-            for page in ids:
+            for page in few:
                 if page.__class__ is not int or not 0 <= page < n or rc[page] <= 0:
                     break  # (the array path says what is wrong)
             else:
                 flags = self._cacheable_b
-                for page in ids:
+                for page in few:
                     flags[page] = 1
                 self._caching = True
                 return

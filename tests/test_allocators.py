@@ -362,9 +362,10 @@ def test_needs_copy_is_true_exactly_for_shared_or_cacheable_pages(make):
 
 @pytest.mark.parametrize("size", [2, 32, 33, 80])
 def test_short_lists_and_arrays_take_the_loop_and_end_where_the_array_path_ends(make, size):
-    """Lists and arrays of up to 32 ids take a Python loop; a tuple always takes the
-    array path. The same calls given each way end in the same state, refusals
-    included, and a refusal anywhere in the list changes nothing."""
+    """Lists and arrays of up to 32 ids take a Python loop (decref, touch,
+    set_cacheable); a tuple always takes the array path. The same calls given each way
+    end in the same state, refusals included, and a refusal anywhere in the list
+    changes nothing."""
     def run(wrap):
         a = make(2 * size + 4, null_page=True)
         pages = a.allocate(2 * size).tolist()
@@ -379,16 +380,21 @@ def test_short_lists_and_arrays_take_the_loop_and_end_where_the_array_path_ends(
                           (a.decref, held[:-1] + [cached[-1]]),  # a CACHED page at the end
                           (a.touch, cached + [2 * size + 3]),  # a FREE page at the end
                           (a.touch, cached[:1] + [-1]),
-                          (a.decref, held[:1] + [10 * size])):
+                          (a.decref, held[:1] + [10 * size]),
+                          (a.set_cacheable, held[1:] + [2 * size + 3]),  # a FREE page at the end
+                          (a.set_cacheable, held[1:] + [-1]),
+                          (a.set_cacheable, held[1:])):  # marked: dropping them now caches them
             before = snapshot(a)
             try:
                 call(wrap(ids))
             except (RefCountError, InvalidPage) as e:
                 errors.append(type(e).__name__)
                 assert snapshot(a) == before
+        a.decref(wrap(held[1:]))
         a.check()
         return snapshot(a), errors
 
     as_list = run(list)
     assert as_list == run(lambda ids: np.array(ids, dtype=np.int64)) == run(tuple)
-    assert as_list[1] == ["RefCountError", "RefCountError", "RefCountError", "InvalidPage", "InvalidPage"]
+    assert as_list[1] == ["RefCountError", "RefCountError", "RefCountError", "InvalidPage", "InvalidPage",
+                          "RefCountError", "InvalidPage"]
