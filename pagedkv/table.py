@@ -36,6 +36,7 @@ import numpy as np
 
 from pagedkv.errors import InvalidTypeError, InvalidValueError, ReleasedError, TrimError, check_int
 from pagedkv.pool import PagePool
+from pagedkv.visibility import window_start
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
 
@@ -269,9 +270,8 @@ class PageTable:
         returns their ids (the caller gives their references back)."""
         if self.window is None:
             return _NO_PAGES
-        # The earliest key any query from ``first_query`` on can see.
-        keep_from = first_query - self.window + 1
-        droppable = max(0, keep_from // self.pool.page_size)
+        # pages before the one holding the earliest key a query from ``first_query`` on sees
+        droppable = window_start(first_query, self.window) // self.pool.page_size
         if droppable <= self._dropped:
             return _NO_PAGES
         gone = self._pages[self._dropped : droppable].copy()
@@ -465,8 +465,8 @@ class BatchAppend:
             t.num_tokens = n
         window = self.tables[0].window
         if window is not None:
-            # the earliest key a query from the first written token on can see
-            droppable = np.maximum(self._tokens - window + 1, 0) // self.pool.page_size
+            # as _drop_outside_window, for every row at once: which rows drop pages now
+            droppable = window_start(self._tokens, window) // self.pool.page_size
             for i in np.flatnonzero(droppable > np.fromiter((t._dropped for t in self.tables), np.int64,
                                                           len(self.tables))).tolist():
                 t = self.tables[i]
