@@ -62,8 +62,9 @@ row, with the same bookkeeping (the rows, their pages and positions end up exact
 where the eager step leaves them; the batch can continue either way) and the same
 logits up to float rounding. Bad tokens raise a typed error and change nothing; a step
 that cannot get its pages raises ``PoolExhausted`` with every row as it was. Not for
-hybrid (recurrent) models (a ``PagedBatch`` decodes those eagerly), nor KV-sharing
-``DonorCache`` layers: ``NotSupportedError``.
+hybrid (recurrent) models (``NotSupportedError``; a ``PagedBatch`` decodes those eagerly).
+KV-sharing models (gemma3n) are served: a sharer layer is handed its donor's cache slot,
+so its attention reads the pages the donor's write in the same trace filled.
 
 Sliding-window layers (gemma3's local layers) have a table kind of their own, whose
 tables replace the pages that left the window by the null page. Their device tables
@@ -127,9 +128,20 @@ class _StepLayer:
         return None  # one query per row: its range says it all
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        rows, slots = self.owner._inputs[1][self.spec][:2]
+        owner = self.owner
+        rows, slots = owner._inputs[1][self.spec][:2]
         self.pool.scatter(self.pool_layer, rows, slots, keys, values)
+        owner._inputs[2][self] = (keys, values)
         return keys, values  # unused: attention is routed to ``attend``
+
+    def keys_and_values(self):
+        """A KV-sharing layer's read of its donor (gemma3n): what the donor's
+        ``update_and_fetch`` returned in this trace, unused, since the sharer's attention
+        is routed to this layer's ``attend``, which reads the pages the donor wrote."""
+        kv = self.owner._inputs[2].get(self)
+        if kv is None:
+            raise KvShapeError("a KV-sharing layer read its donor before the donor wrote this step")
+        return kv
 
     def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
         _, _, table, lengths, starts = self.owner._inputs[1][self.spec]
@@ -205,8 +217,6 @@ class CompiledDecode:
         layout = batch.rows.layout
         if layout.state_slots:
             return "a compiled decode step serves attention layers only (no recurrent layers)"
-        if len(batch.caches) != layout.num_layers:
-            return "a compiled decode step needs one cache per model layer (no KV sharing)"
         return None
 
     @property
@@ -235,7 +245,7 @@ class CompiledDecode:
             # a sliding window's first key (columns before it may list pages it dropped)
             first = starts if spec.window is None else mx.maximum(lengths - spec.window, 0)
             per_spec.append((rows, slots, table, lengths, first))
-        self._inputs = (positions, per_spec)
+        self._inputs = (positions, per_spec, {})  # (the last: each layer's K/V of this trace)
         try:
             return self.model(tokens, cache=self._layers), positions
         finally:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import attrs
 
+from pagedkv.model_config import text_config
+
 
 def _types(value) -> tuple[str, ...]:
     return tuple(str(t) for t in value)
@@ -60,10 +62,7 @@ class KvSharingPlan:
     @classmethod
     def from_model(cls, model) -> KvSharingPlan:
         """Read ``layer_types`` and ``num_kv_shared_layers`` from an mlx-lm model's args."""
-        args = getattr(model, "args", None)
-        cfg = getattr(args, "text_config", None) or (vars(args) if args is not None else {})
-        if not isinstance(cfg, dict):
-            cfg = vars(cfg)
+        cfg = text_config(model)
         if "layer_types" not in cfg:
             n = len(model.layers)
             return cls(("full_attention",) * n, 0)

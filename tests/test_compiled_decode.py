@@ -85,17 +85,18 @@ def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages, loo
     assert comp_pool.allocator.num_available() == eager_pool.allocator.num_available()
 
 
-@pytest.mark.parametrize("lookahead", [True, False])
-def test_compiled_steps_of_a_sliding_window_model_match_the_eager_batch_and_its_dropped_pages(lookahead):
-    """gemma3_text (window 12 on every other layer, pages of 4): rows longer than the
-    window and rows that grow past it. Each step gives the eager step's logits and
-    tokens and leaves every table kind's pages, dropped ones included, as the eager step
-    does; a drop alone copies no table, so with lookahead the state goes to the device
-    about once per page of steps; every page comes back."""
-    model = make_model("gemma3_text")
+@pytest.mark.parametrize("kind, lookahead", [("gemma3_text", True), ("gemma3_text", False), ("gemma3n", True)])
+def test_compiled_steps_of_a_sliding_window_model_match_the_eager_batch_and_its_dropped_pages(kind, lookahead):
+    """gemma3_text and gemma3n (window 12 on most layers, pages of 4; gemma3n's last two
+    layers read the K/V of earlier layers' caches): rows longer than the window and rows
+    that grow past it. Each step gives the eager step's logits and tokens and leaves
+    every table kind's pages, dropped ones included, as the eager step does; a drop
+    alone copies no table, so with lookahead the state goes to the device about once
+    per page of steps; every page comes back."""
+    model = make_model(kind)
     lengths = [5, 13, 30]
-    eager_pool = make_pool("gemma3_text", page_size=4, num_pages=96)
-    comp_pool = make_pool("gemma3_text", page_size=4, num_pages=96)
+    eager_pool = make_pool(kind, page_size=4, num_pages=96)
+    comp_pool = make_pool(kind, page_size=4, num_pages=96)
     eager, compiled = batch_of(model, eager_pool, lengths), batch_of(model, comp_pool, lengths)
     layout = compiled.rows.layout
     assert layout.has_windows and CompiledDecode.refusal(compiled) is None

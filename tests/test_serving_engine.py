@@ -458,15 +458,18 @@ def test_the_engine_refuses_a_sliding_window_model_with_prefix_caching_up_front(
     assert pool.allocator.num_in_use() == 0 and not pool.allocator.evict_listeners  # (no prefix cache left on it)
 
 
-@pytest.mark.parametrize("overlap_decode, compiled", [(True, False), (False, False), (True, True)])
-def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_window_pages_only(overlap_decode,
+@pytest.mark.parametrize("kind, overlap_decode, compiled", [
+    ("gemma3_text", True, False), ("gemma3_text", False, False), ("gemma3_text", True, True),
+    ("gemma3n", False, False), ("gemma3n", True, True)])
+def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_window_pages_only(kind, overlap_decode,
                                                                                                 compiled):
-    """gemma3_text (window 12 on every other layer) through the engine, eager or with
-    ``CompiledDecode``: each request's greedy tokens are mlx-lm's own (its rotating
-    caches, one request alone), through preemptions; a sliding layer's table never
-    holds more than its window's pages; every page comes back."""
-    model = make_model("gemma3_text")
-    L, H, D = kv_dims("gemma3_text")
+    """gemma3_text and gemma3n (window 12; gemma3n's last layers share earlier layers'
+    K/V) through the engine, eager or with ``CompiledDecode``: each request's greedy
+    tokens are mlx-lm's own (its rotating caches, one request alone), through
+    preemptions; a sliding layer's table never holds more than its window's pages;
+    every page comes back."""
+    model = make_model(kind)
+    L, H, D = kv_dims(kind)
     ps, window = 4, 12
     pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=ps, num_pages=40, dtype=mx.float32)
     engine = Engine(model, pool, decode=letters, max_batch=8, prefix_caching=False, overlap_decode=overlap_decode,

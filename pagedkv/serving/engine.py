@@ -67,6 +67,7 @@ from pagedkv.disk_tier import DiskTier
 from pagedkv.errors import InvalidTypeError, InvalidValueError, NotSupportedError, PoolExhausted
 from pagedkv.generation import prefill
 from pagedkv.kernels import paged_decode
+from pagedkv.model_config import text_config
 from pagedkv.pool import PagePool
 from pagedkv.prefix import PrefixCache
 from pagedkv.prefix_keys import PrefixKeys
@@ -221,6 +222,11 @@ class Engine:
         if not isinstance(overlap_decode, bool):
             raise InvalidTypeError(f"overlap_decode must be a bool, got {type(overlap_decode).__name__}")
         self.overlap_decode = overlap_decode
+        config = text_config(model)  # (read before the pool is touched, as every check here)
+        if "vocab_size" not in config:
+            raise InvalidValueError("the model's args (or their text_config) hold no vocab_size")
+        vocab = int(config["vocab_size"])
+        ctx = max_model_len or int(config.get("max_position_embeddings") or 1 << 30)
         if prefix_caching and layout_for(model, pool, state_pool=state_pool).has_windows:
             # (checked before the model is routed or the pool touched: a sliding layer
             # gives its pages back as they leave the window, so a prompt's pages cannot
@@ -235,8 +241,6 @@ class Engine:
                                   checkpoint_every=checkpoint_every) if prefix_caching else None
         self.decode = decode
         self.eos = frozenset(eos_token_ids)
-        vocab = int(model.args.vocab_size)
-        ctx = max_model_len or int(getattr(model.args, "max_position_embeddings", None) or 1 << 30)
         self.limits = EngineLimits(ctx, (pool.usable_pages) * pool.page_size, vocab)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
