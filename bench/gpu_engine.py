@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
-from gpu_generate import PS, SHAPES, model_of  # noqa: E402
+from gpu_generate import PS, SHAPES, model_of, random_model  # noqa: E402
 
 from pagedkv import PagePool  # noqa: E402
 from pagedkv.serving import Engine, GenerationRequest, SamplingParams  # noqa: E402
@@ -65,11 +65,7 @@ def gemma3_of(shape: str, dtype):
 
     cfg = dict(model_type="gemma3_text", rms_norm_eps=1e-6, sliding_window_pattern=6, rope_theta=1000000.0,
                rope_local_base_freq=10000.0, max_position_embeddings=32768, **GEMMA3_SHAPES[shape])
-    mx.random.seed(0)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(cfg))
-    model.set_dtype(dtype)
-    mx.eval(model.parameters())
-    return model
+    return random_model(gemma3_text, cfg, dtype)
 
 
 def make_engine(model, prompts: list[list[int]], news: list[int], compiled: bool, overlap: bool, dtype) -> Engine:

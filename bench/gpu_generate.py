@@ -56,13 +56,19 @@ SHAPES = {
 PS = 16
 
 
-def model_of(shape: str, dtype) -> llama.Model:
-    cfg = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=32000, tie_word_embeddings=True, **SHAPES[shape])
+def random_model(module, cfg: dict, dtype):
+    """``module.Model`` (an mlx-lm model module) built from ``cfg`` with random weights
+    of ``dtype`` (seed 0, so every side and run gets the same weights), evaluated."""
     mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(cfg))
+    model = module.Model(module.ModelArgs.from_dict(cfg))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
+
+
+def model_of(shape: str, dtype) -> llama.Model:
+    cfg = dict(model_type="llama", rms_norm_eps=1e-5, vocab_size=32000, tie_word_embeddings=True, **SHAPES[shape])
+    return random_model(llama, cfg, dtype)
 
 
 def filled(model, lengths: list[int], steps: int, dtype, sides: str = "both"):
