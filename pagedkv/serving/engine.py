@@ -60,6 +60,7 @@ from typing import Callable, Iterable
 import attrs
 import mlx.core as mx
 
+from pagedkv.attention_routing import route_attention
 from pagedkv.batch import PagedBatch
 from pagedkv.cache import PagedPromptCache, layout_for, make_paged_cache
 from pagedkv.compiled_decode import CompiledDecode
@@ -227,7 +228,8 @@ class Engine:
             raise InvalidValueError("the model's args (or their text_config) hold no vocab_size")
         vocab = int(config["vocab_size"])
         ctx = max_model_len or int(config.get("max_position_embeddings") or 1 << 30)
-        if prefix_caching and layout_for(model, pool, state_pool=state_pool).has_windows:
+        self._layout = layout_for(model, pool, state_pool=state_pool)  # every batch's (frozen)
+        if prefix_caching and self._layout.has_windows:
             # (checked before the model is routed or the pool touched: a sliding layer
             # gives its pages back as they leave the window, so a prompt's pages cannot
             # all be kept for a later request)
@@ -333,7 +335,8 @@ class Engine:
     def _new_batch(self) -> None:
         """An empty batch, and its compiled decode step if asked for (or by default, see
         ``compiled_decode``)."""
-        self.batch = PagedBatch.for_model(self.model, self.pool, state_pool=self.state_pool)
+        route_attention(self.model)  # (idempotent: as PagedBatch.for_model does)
+        self.batch = PagedBatch(self._layout)
         asked = self._compile_asked
         if asked is None:
             asked = paged_decode.available() and CompiledDecode.refusal(self.batch) is None
