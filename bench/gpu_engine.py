@@ -1,7 +1,8 @@
 """The serving ``Engine`` with and without ``compiled_decode`` and ``overlap_decode``,
 same requests, one run.
 
-    python3 bench/gpu_engine.py [--model 1b|8b|tiny|gemma3-1b|gemma3-tiny] [--requests 32] [--prompt 512]
+    python3 bench/gpu_engine.py [--model 1b|8b|tiny|gemma3-1b|gemma3-tiny|gemma3n-e2b|gemma3n-tiny]
+                                [--requests 32] [--prompt 512]
                                 [--new 128] [--rounds 2] [--dtype float16|bfloat16|float32]
 
 Issue 15: what ``CompiledDecode`` gives a server, not a fixed batch. ``--requests``
@@ -26,7 +27,9 @@ Model: mlx-lm's llama class with random weights (``gpu_generate.model_of``), fp1
 ``--dtype`` says otherwise; ``--model gemma3-1b`` (or ``gemma3-tiny``) is mlx-lm's
 gemma3_text class in Gemma 3 1B's shape (26 layers, 5 of each 6 with a sliding window of
 512; head_dim 256, one KV head; a 262k vocabulary), so prompts of 512 and more leave the
-window and the sliding layers drop pages as they decode.
+window and the sliding layers drop pages as they decode. ``--model gemma3n-e2b`` (or
+``gemma3n-tiny``) is mlx-lm's gemma3n class in Gemma 3n E2B's text shape (30 layers, 4 of
+each 5 sliding over 512; the last 10 layers read earlier layers' K/V; a 262k vocabulary).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import numpy as np  # noqa: E402
 from gpu_generate import PS, SHAPES, model_of, random_model  # noqa: E402
 
 from pagedkv import PagePool  # noqa: E402
+from pagedkv.model_config import text_config  # noqa: E402
 from pagedkv.serving import Engine, GenerationRequest, SamplingParams  # noqa: E402
 
 SHAPES.setdefault("tiny", dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
@@ -57,6 +61,17 @@ GEMMA3_SHAPES = {
                         num_key_value_heads=1, head_dim=64, sliding_window=64, vocab_size=32000,
                         query_pre_attn_scalar=64),
 }
+# gemma3n shapes (its text stack): 4 sliding layers to each full one, the last layers KV-shared
+GEMMA3N_SHAPES = {
+    "gemma3n-e2b": dict(hidden_size=2048, num_hidden_layers=30, intermediate_size=8192, num_attention_heads=8,
+                        num_key_value_heads=2, head_dim=256, sliding_window=512, vocab_size=262400,
+                        num_kv_shared_layers=10, vocab_size_per_layer_input=262144, hidden_size_per_layer_input=256,
+                        laurel_rank=64),
+    "gemma3n-tiny": dict(hidden_size=256, num_hidden_layers=10, intermediate_size=512, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, sliding_window=64, vocab_size=32000,
+                         num_kv_shared_layers=4, vocab_size_per_layer_input=32000, hidden_size_per_layer_input=16,
+                         laurel_rank=16),
+}
 
 
 def gemma3_of(shape: str, dtype):
@@ -68,11 +83,28 @@ def gemma3_of(shape: str, dtype):
     return random_model(gemma3_text, cfg, dtype)
 
 
+def gemma3n_of(shape: str, dtype):
+    """mlx-lm's gemma3n class with random weights: every fifth layer full attention, the
+    others a sliding window; the last ``num_kv_shared_layers`` layers compute no K/V and
+    read those of the last earlier layer of their kind (Gemma 3n E2B's shape, or a tiny one)."""
+    from mlx_lm.models import gemma3n
+
+    text = dict(GEMMA3N_SHAPES[shape])
+    n = text["num_hidden_layers"]
+    text.update(model_type="gemma3n_text", rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                max_position_embeddings=32768, final_logit_softcapping=30.0, altup_num_inputs=4,
+                altup_coef_clip=120.0, altup_correct_scale=True, altup_active_idx=0,
+                layer_types=["full_attention" if (i + 1) % 5 == 0 else "sliding_attention" for i in range(n)],
+                activation_sparsity_pattern=[0.0] * n)
+    return random_model(gemma3n, dict(model_type="gemma3n", text_config=text), dtype)
+
+
 def make_engine(model, prompts: list[list[int]], news: list[int], compiled: bool, overlap: bool, dtype) -> Engine:
-    a = model.args
+    a = text_config(model)
     pages = sum(-(-(len(p) + n + 1) // PS) for p, n in zip(prompts, news)) + 2
-    pool = PagePool(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
-                    page_size=PS, num_pages=pages, dtype=dtype)
+    # one pool layer per cache slot (a KV-sharing model has fewer slots than layers)
+    pool = PagePool(num_layers=len(model.make_cache()), num_kv_heads=a["num_key_value_heads"],
+                    head_dim=a["head_dim"], page_size=PS, num_pages=pages, dtype=dtype)
     return Engine(model, pool, decode=lambda ids: "", max_batch=len(prompts), prefix_caching=False,
                   prefill_budget=sum(map(len, prompts)), prefill_chunk=max(map(len, prompts)),
                   compiled_decode=compiled, overlap_decode=overlap)
@@ -102,7 +134,7 @@ def run_round(engine: Engine, prompts: list[list[int]], news: list[int], r: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=sorted(SHAPES) + sorted(GEMMA3_SHAPES), default="1b")
+    ap.add_argument("--model", choices=sorted(SHAPES) + sorted(GEMMA3_SHAPES) + sorted(GEMMA3N_SHAPES), default="1b")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
@@ -110,11 +142,12 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float16", "bfloat16", "float32"], default="float16")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
-    model = gemma3_of(args.model, dtype) if args.model in GEMMA3_SHAPES else model_of(args.model, dtype)
+    build, kind = ((gemma3_of, "gemma3_text") if args.model in GEMMA3_SHAPES else
+                   (gemma3n_of, "gemma3n") if args.model in GEMMA3N_SHAPES else (model_of, "llama"))
+    model = build(args.model, dtype)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, model.args.vocab_size, args.prompt).tolist() for _ in range(args.requests)]
+    prompts = [rng.integers(0, text_config(model)["vocab_size"], args.prompt).tolist() for _ in range(args.requests)]
     news = [args.new - (i % 8) * (args.new // 16) for i in range(args.requests)]
-    kind = "gemma3_text" if args.model in GEMMA3_SHAPES else "llama"
     print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped {kind}, {args.dtype}; {args.requests} requests "
           f"of {args.prompt} prompt tokens, {min(news)}-{max(news)} new tokens each", flush=True)
     print(f"{'round':>5} {'side':>12} {'seconds':>8} {'tok/s':>8} {'steps':>6} {'traces':>7}", flush=True)
