@@ -354,6 +354,19 @@ def _layer_windows(model, max_kv_size: int | None) -> list[list[int | None | str
     return [[max_kv_size]] * len(model.layers)
 
 
+def _refuse_latent_attention(model) -> None:
+    """``NotSupportedError`` for a model with multi-head latent attention (mlx-lm's
+    deepseek_v2/v3, kimi, glm4_moe_lite... set ``kv_lora_rank`` on their attention): it
+    caches keys and values of different widths (v3: a latent and a RoPE key, read as
+    K = V = latent with the RoPE scores as the mask), which pages of one head_dim cannot
+    hold and pagedkv's attention would read wrongly. O(layers) attribute reads."""
+    for layer in getattr(model, "layers", None) or ():
+        attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
+        if getattr(attn, "kv_lora_rank", None) is not None:
+            raise NotSupportedError(f"{type(attn).__module__.rsplit('.', 1)[-1]}: multi-head latent attention "
+                                    "(keys and values of different widths) is not supported by pagedkv's pages")
+
+
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
                max_kv_size: int | None = None, state_pool: StatePool | None = None) -> LayerLayout:
     """The layer layout of ``model``'s caches: full-attention layers share one table spec
@@ -366,6 +379,7 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
         raise InvalidTypeError("pool and sliding_pool must be PagePools")
     if state_pool is not None and not isinstance(state_pool, StatePool):
         raise InvalidTypeError(f"state_pool must be a StatePool, got {type(state_pool).__name__}")
+    _refuse_latent_attention(model)
     entries = _layer_windows(model, max_kv_size)
     windows = [w for entry in entries for w in entry]
     groups = tuple(len(e) for e in entries) if any(len(e) != 1 for e in entries) else ()

@@ -124,20 +124,36 @@ class _StepLayer:
     def offset(self) -> mx.array:
         return self.owner._inputs[0]
 
-    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
-        return None  # one query per row: its range says it all
+    def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None) -> mx.array:
+        """Bool [B, 1, 1, keys] over what ``update_and_fetch`` returns: each row's keys
+        [first, length), ``window_size`` narrowing the first. Only attention that is
+        not routed to ``attend`` uses it (``attend`` applies the rows' ranges itself),
+        so for any other layer the trace drops it."""
+        _, _, table, lengths, first = self.owner._inputs[1][self.spec]
+        if window_size is not None:
+            first = mx.maximum(first, lengths - window_size)
+        col = mx.arange(table.shape[1] * self.pool.page_size, dtype=mx.int32)[None]
+        return ((col >= first[:, None]) & (col < lengths[:, None]))[:, None, None, :]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Write the step's K/V into the pages; return every key the table lists, as
+        mlx-lm's model inputs [B, kv_heads, keys, D] (``make_mask`` says which a row
+        sees). Attention routed to ``attend`` never reads them, so the trace drops the
+        gather; attention that is not routed (sinks: gpt_oss) reads them, as it reads
+        an eager step's."""
         owner = self.owner
-        rows, slots = owner._inputs[1][self.spec][:2]
-        self.pool.scatter(self.pool_layer, rows, slots, keys, values)
-        owner._inputs[2][self] = (keys, values)
-        return keys, values  # unused: attention is routed to ``attend``
+        rows, slots, table = owner._inputs[1][self.spec][:3]
+        pool = self.pool
+        pool.scatter(self.pool_layer, rows, slots, keys, values)
+        b, width = table.shape
+        parts = pool.gather(self.pool_layer, pool.gather_index(table), 0, width * pool.page_size, rows=b, track=False)
+        owner._inputs[2][self] = kv = pool.kind.model_inputs(*parts)
+        return kv
 
     def keys_and_values(self):
         """A KV-sharing layer's read of its donor (gemma3n): what the donor's
-        ``update_and_fetch`` returned in this trace, unused, since the sharer's attention
-        is routed to this layer's ``attend``, which reads the pages the donor wrote."""
+        ``update_and_fetch`` returned in this trace (the sharer's attention, routed to
+        this layer's ``attend``, reads the pages the donor wrote instead)."""
         kv = self.owner._inputs[2].get(self)
         if kv is None:
             raise KvShapeError("a KV-sharing layer read its donor before the donor wrote this step")

@@ -1,0 +1,167 @@
+"""Paged caches under many of mlx-lm's model families: each family's own model class
+(tiny, random weights) decodes with pagedkv exactly as with mlx-lm's own caches, and a
+family pagedkv cannot serve is refused up front with a typed error.
+
+The families differ in what their attention does around the cache: soft-capped scores
+(gemma2), sliding windows on some layers (cohere2, olmo3, exaone4, gpt_oss, whose sinks
+go to mlx-lm's own attention), layers without RoPE (smollm3, llama4_text), partial RoPE
+(glm4, gpt_neox, stablelm), qk-norms, MoE MLPs, and scaled residuals or logits."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import _get_classes
+from tiny_models import LOGITS_ATOL, VOCAB, greedy, prompt_of
+
+from pagedkv import CompiledDecode, NotSupportedError, PagedBatch, PagePool, make_paged_cache
+
+BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0, max_position_embeddings=1024,
+            tie_word_embeddings=False, layer_norm_eps=1e-5, norm_eps=1e-5, sliding_window=12,
+            rope_traditional=False, attention_bias=False, mlp_bias=False)
+SLIDING = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
+FAMILIES = {
+    "gemma": {},
+    "gemma2": dict(query_pre_attn_scalar=16, attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "cohere": dict(logit_scale=0.1, use_qk_norm=False, layer_norm_bias=False),
+    "cohere2": dict(sliding_window_pattern=2, logit_scale=0.1, use_qk_norm=False, layer_norm_bias=False),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+    "smollm3": dict(no_rope_layer_interval=2),
+    "exaone4": dict(sliding_window_pattern="LLLG", layer_types=None, rope_scaling=None),
+    "olmo2": {},
+    "olmo3": dict(layer_types=SLIDING),
+    "phi3": {},
+    "qwen2": {},
+    "mistral": {},
+    "starcoder2": dict(norm_epsilon=1e-5),
+    "granite": dict(embedding_multiplier=1.0, attention_multiplier=0.25, residual_multiplier=1.0,
+                    logits_scaling=1.0),
+    "minicpm": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0),
+    "glm4": dict(partial_rotary_factor=0.5),
+    "gpt_neox": dict(rotary_pct=0.25, use_parallel_residual=True, rotary_emb_base=10000),
+    "stablelm": dict(partial_rotary_factor=0.25, use_qkv_bias=False),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "internlm2": dict(bias=False),
+    "llama4_text": dict(intermediate_size_mlp=96, no_rope_layers=[1, 1, 1, 0], use_qk_norm=True,
+                        attention_chunk_size=8, num_local_experts=2, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2, attn_temperature_tuning=False, floor_scale=8192,
+                        attn_scale=0.1, moe_layers=[1, 3]),
+    "ministral3": dict(rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.0,
+                                        "original_max_position_embeddings": 1024}),
+    "helium": {},
+    "seed_oss": {},
+}
+_YARN = {"type": "linear", "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+         "original_max_position_embeddings": 1024}
+LATENT = {  # multi-head latent attention: keys and values of different widths
+    "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        n_routed_experts=None, moe_intermediate_size=32, first_k_dense_replace=4, rope_scaling=_YARN),
+    "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        n_routed_experts=None, moe_intermediate_size=32, first_k_dense_replace=4, rope_scaling=_YARN,
+                        n_shared_experts=None, num_experts_per_tok=1, routed_scaling_factor=1.0, topk_method="noaux_tc",
+                        scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1),
+}
+
+
+def family_model(family: str, extra: dict):
+    cfg = dict(BASE, model_type=family, **extra)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_decodes_on_pages_as_on_mlx_lms_own_caches(family):
+    model = family_model(family, FAMILIES[family])
+    prompt = prompt_of(30)  # longer than the sliding windows (12), so window pages drop
+    ref_cache = make_prompt_cache(model)
+    ref_tokens, ref_logits = greedy(model, prompt, ref_cache, 20)
+    _, kv_heads, _, head_dim = ref_cache[0].keys.shape  # (gpt_neox has no grouped KV heads)
+    pool = PagePool(num_layers=len(ref_cache), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4, num_pages=128,
+                    dtype=mx.float32)
+    with make_paged_cache(model, pool) as cache:
+        tokens, logits = greedy(model, prompt, cache, 20)
+        pool.allocator.check()
+    assert tokens == ref_tokens
+    assert all(mx.allclose(a, b, atol=LOGITS_ATOL).item() for a, b in zip(ref_logits, logits))
+    assert pool.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("family", sorted(LATENT))
+def test_a_latent_attention_family_is_refused_before_any_page_is_taken(family):
+    model = family_model(family, LATENT[family])
+    pool = PagePool(num_layers=4, num_kv_heads=1, head_dim=16, page_size=4, num_pages=32, dtype=mx.float32)
+    with pytest.raises(NotSupportedError, match="latent attention"):
+        make_paged_cache(model, pool)
+    assert pool.allocator.num_in_use() == 0
+
+
+# gemma2's attention reshapes its scores to [B, kv_heads, repeats, N, W], which a batch
+# mask [B, 1, N, W] does not broadcast to: mlx-lm's own BatchKVCache fails there too
+# (and at B == kv_heads broadcasts the rows' masks over the heads)
+BATCHED = sorted(set(FAMILIES) - {"gemma2"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", BATCHED)
+def test_each_family_decodes_ragged_rows_in_one_batch_as_each_row_alone_on_mlx_lm(family):
+    """Rows of 5, 17 and 30 tokens in one ``PagedBatch`` (no padding, one step for all):
+    every row's greedy tokens are those of the row alone on mlx-lm's caches."""
+    model = family_model(family, FAMILIES[family])
+    lengths, steps = [5, 17, 30], 12
+    refs = []
+    for seed, n in enumerate(lengths):
+        ref_cache = make_prompt_cache(model)
+        refs.append(greedy(model, prompt_of(n, seed=seed + 1), ref_cache, steps)[0])
+    _, kv_heads, _, head_dim = ref_cache[0].keys.shape
+    pool = PagePool(num_layers=len(ref_cache), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4,
+                    num_pages=128, dtype=mx.float32)
+    batch = PagedBatch.for_model(model, pool)
+    first = []
+    for seed, n in enumerate(lengths):
+        cache = make_paged_cache(model, pool)
+        first.append(int(mx.argmax(model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)[0, -1]).item()))
+        batch.extend(cache)
+    tokens = [[t] for t in first]
+    for _ in range(steps - 1):
+        nxt = mx.argmax(model(mx.array([t[-1:] for t in tokens]), cache=batch.caches)[:, -1], axis=-1).tolist()
+        for row, t in zip(tokens, nxt):
+            row.append(t)
+    assert tokens == refs
+    batch.release()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("family", BATCHED)
+def test_each_familys_compiled_decode_steps_give_the_eager_batchs_logits(family):
+    """``CompiledDecode`` over the same rows as an eager ``PagedBatch``: the same logits
+    at every step. gpt_oss's attention has sinks, so it is not routed to the pages: it
+    reads the K/V and the mask the compiled step's caches return, as in an eager step."""
+    model = family_model(family, FAMILIES[family])
+    ref_cache = make_prompt_cache(model)
+    model(mx.array([[1, 2]]), cache=ref_cache)
+    _, kv_heads, _, head_dim = ref_cache[0].keys.shape
+
+    def batch():
+        pool = PagePool(num_layers=len(ref_cache), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4,
+                        num_pages=128, dtype=mx.float32)
+        rows = PagedBatch.for_model(model, pool)
+        for seed, n in enumerate([5, 17, 30]):
+            cache = make_paged_cache(model, pool)
+            model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)
+            rows.extend(cache)
+        return rows
+
+    eager, compiled = batch(), batch()
+    step = CompiledDecode(model, compiled, bucket=2)
+    tok = mx.array([[1], [2], [3]])
+    for _ in range(10):  # every row crosses pages; the sliding layers drop some
+        want, got = model(tok, cache=eager.caches), step(tok)
+        assert mx.allclose(want, got, atol=LOGITS_ATOL).item()
+        tok = mx.argmax(want[:, -1], axis=-1)[:, None]
