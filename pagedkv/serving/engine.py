@@ -206,7 +206,7 @@ class Engine:
         ``compiled_decode``: run the decode step through ``CompiledDecode`` (the model
         traced once per batch size and page-table width, then replayed: 1.2-1.4x the
         eager engine's tokens/s on an H200, bench/RESULTS.md). True: a model it cannot
-        serve (recurrent or KV-sharing layers) raises
+        serve (recurrent layers) raises
         ``NotSupportedError`` here. None (default): on where it was measured faster,
         MLX on a CUDA GPU, for the models it serves; eager otherwise. False: eager.
         ``overlap_decode``: build each decode step while the previous one runs (see the
