@@ -384,6 +384,9 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
     windows = [w for entry in entries for w in entry]
     groups = tuple(len(e) for e in entries) if any(len(e) != 1 for e in entries) else ()
     state_slots = tuple(i for i, w in enumerate(windows) if w == _RECURRENT)
+    if len(state_slots) == len(windows):
+        raise NotSupportedError("the model has no attention layers (no K/V for pages to hold): "
+                                "run it on mlx-lm's own caches")
     if state_slots and state_pool is None:
         raise NotSupportedError(f"the model has {len(state_slots)} recurrent layers: pass "
                                 "state_pool=StatePool.for_model(model, num_slots=...)")

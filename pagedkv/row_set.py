@@ -547,7 +547,8 @@ class RowSet:
         if self.states is not None:
             if (self.states.tokens != start).any():
                 raise KvShapeError(f"the recurrent layers stand at {self.states.tokens.tolist()}, the step at "
-                                   f"{start.tolist()}: layers of one sequence must advance together")
+                                   f"{start.tolist()}: layers of one sequence must advance together (a model "
+                                   "whose recurrent layers never call cache.advance(n) cannot be served)")
             moving = self.states.moving()
             need, available = int(moving.sum()), self.states.pool.allocator.num_available()
             if need > available:

@@ -82,12 +82,22 @@ class StatePool:
     def for_model(cls, model, *, num_slots: int | None = None, max_bytes: int | None = None) -> StatePool:
         """A pool for the recurrent layers of an mlx-lm ``model`` (the ``ArraysCache``
         slots of ``model.make_cache()``), shapes and dtypes found by a one-token forward
-        on mlx-lm's own caches."""
+        on mlx-lm's own caches. A model whose recurrent layers set their state without
+        calling ``cache.advance(n)`` (mlx-lm's jamba, mamba, recurrent_gemma, rwkv7...)
+        gets ``NotSupportedError``: pagedkv counts the tokens a state covers by that call."""
         if not hasattr(model, "make_cache"):
             raise NotSupportedError("the model has no make_cache(); it has no recurrent layers to hold")
         caches = model.make_cache()
+        advanced = []
+        for c in flat_caches(caches):
+            if type(c).__name__ == "ArraysCache":
+                c.advance = lambda n, c=c: advanced.append(c)  # (this instance only, which is then dropped)
         model(mx.array([[0]]), cache=caches)
-        return cls(state_shapes(caches), num_slots=num_slots, max_bytes=max_bytes)
+        shapes = state_shapes(caches)
+        if not advanced:
+            raise NotSupportedError(f"{type(model).__module__.rsplit('.', 1)[-1]}: its recurrent layers never call "
+                                    "cache.advance(n), which is how pagedkv counts the tokens a state covers")
+        return cls(shapes, num_slots=num_slots, max_bytes=max_bytes)
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -1,6 +1,7 @@
 """Paged caches under many of mlx-lm's model families: each family's own model class
 (tiny, random weights) decodes with pagedkv exactly as with mlx-lm's own caches, and a
-family pagedkv cannot serve is refused up front with a typed error.
+family pagedkv cannot serve is refused up front with a typed error (latent attention;
+recurrent layers that never report how many tokens their state covers; no attention).
 
 The families differ in what their attention does around the cache: soft-capped scores
 (gemma2), sliding windows on some layers (cohere2, olmo3, exaone4, gpt_oss, whose sinks
@@ -13,7 +14,14 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import _get_classes
 from tiny_models import LOGITS_ATOL, VOCAB, greedy, prompt_of
 
-from pagedkv import CompiledDecode, NotSupportedError, PagedBatch, PagePool, make_paged_cache
+from pagedkv import (
+    CompiledDecode,
+    NotSupportedError,
+    PagedBatch,
+    PagePool,
+    StatePool,
+    make_paged_cache,
+)
 
 BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0, max_position_embeddings=1024,
@@ -165,3 +173,70 @@ def test_each_familys_compiled_decode_steps_give_the_eager_batchs_logits(family)
         want, got = model(tok, cache=eager.caches), step(tok)
         assert mx.allclose(want, got, atol=LOGITS_ATOL).item()
         tok = mx.argmax(want[:, -1], axis=-1)[:, None]
+
+
+HYBRID_BASE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=1024, rms_norm_eps=1e-5, norm_eps=1e-5, tie_word_embeddings=False,
+                   intermediate_size=96, rope_theta=10000.0)
+HYBRIDS = {  # recurrent layers that call cache.advance(n), beside attention layers
+    "lfm2": dict(conv_bias=False, block_dim=64, block_multiple_of=16, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, block_ff_dim=96, conv_L_cache=3, full_attn_idxs=[1, 3]),
+    "granitemoehybrid": dict(attention_bias=False, embedding_multiplier=1.0, attention_multiplier=0.25,
+                             logits_scaling=1.0, residual_multiplier=1.0,
+                             layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=None,
+                             num_experts_per_tok=None, shared_intermediate_size=96, mamba_n_heads=4, mamba_d_head=16,
+                             mamba_proj_bias=False, mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1,
+                             mamba_conv_bias=True, mlp_bias=False, position_embedding_type="rope",
+                             time_step_limit=(0.0, float("inf")), mamba_chunk_size=8),
+}
+UNCOUNTED = {  # recurrent layers that set their state without cache.advance(n)
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1, expert_layer_period=2,
+                  mamba_d_conv=4, mamba_d_state=8, mamba_expand=2, num_experts=2, num_experts_per_tok=1,
+                  mamba_dt_rank=8, mamba_proj_bias=False, mamba_conv_bias=True),
+    "recurrent_gemma": dict(attention_bias=False, logits_soft_cap=30.0, attention_window_size=12,
+                            embeddings_scale_by_sqrt_dim=True, block_types=["recurrent", "recurrent", "attention"],
+                            num_hidden_layers=3, lru_width=64, conv1d_width=4, head_dim=16, partial_rotary_factor=0.5,
+                            final_w_init_variance_scale=1.0),
+}
+MAMBA2 = dict(num_heads=4, head_dim=16, state_size=16, layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1,
+              use_bias=False, use_conv_bias=True, time_step_limit=(0.0, float("inf")), time_step_rank=8, chunk_size=8)
+
+
+def hybrid_model(family: str, extra: dict):
+    cfg = dict(HYBRID_BASE, model_type=family, **extra)
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_each_hybrid_family_decodes_on_pages_and_state_slots_as_on_mlx_lms_own_caches(family):
+    model = hybrid_model(family, HYBRIDS[family])
+    ref_cache = make_prompt_cache(model)
+    ref_tokens, ref_logits = greedy(model, prompt_of(30), ref_cache, 16)
+    attention = [c for c in ref_cache if type(c).__name__ == "KVCache"]
+    _, kv_heads, _, head_dim = attention[0].keys.shape
+    pool = PagePool(num_layers=len(attention), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4, num_pages=128,
+                    dtype=mx.float32)
+    states = StatePool.for_model(model, num_slots=4)
+    with make_paged_cache(model, pool, state_pool=states) as cache:
+        tokens, logits = greedy(model, prompt_of(30), cache, 16)
+    assert tokens == ref_tokens
+    assert all(mx.allclose(a, b, atol=LOGITS_ATOL).item() for a, b in zip(ref_logits, logits))
+    assert pool.allocator.num_in_use() == 0 and states.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("family", sorted(UNCOUNTED))
+def test_a_hybrid_family_whose_states_do_not_count_tokens_is_refused_by_its_state_pool(family):
+    with pytest.raises(NotSupportedError, match="cache.advance"):
+        StatePool.for_model(hybrid_model(family, UNCOUNTED[family]), num_slots=4)
+
+
+def test_a_model_without_attention_layers_is_refused_by_make_paged_cache():
+    model = hybrid_model("mamba2", MAMBA2)
+    pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=16, page_size=4, num_pages=8, dtype=mx.float32)
+    with pytest.raises(NotSupportedError, match="no attention layers"):
+        make_paged_cache(model, pool, state_pool=StatePool.for_model(model, num_slots=4))
+    assert pool.allocator.num_in_use() == 0
