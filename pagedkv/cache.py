@@ -355,16 +355,18 @@ def _layer_windows(model, max_kv_size: int | None) -> list[list[int | None | str
 
 
 def _refuse_latent_attention(model) -> None:
-    """``NotSupportedError`` for a model with multi-head latent attention (mlx-lm's
-    deepseek_v2/v3, kimi, glm4_moe_lite... set ``kv_lora_rank`` on their attention): it
-    caches keys and values of different widths (v3: a latent and a RoPE key, read as
-    K = V = latent with the RoPE scores as the mask), which pages of one head_dim cannot
-    hold and pagedkv's attention would read wrongly. O(layers) attribute reads."""
+    """``NotSupportedError`` for a model whose attention caches a compressed latent
+    (mlx-lm's deepseek_v3, kimi, glm4_moe_lite, mistral4...: multi-head latent attention
+    with the up-projections absorbed, ``embed_q`` on the attention module). Its cache holds
+    the latent and a RoPE key, which it reads as K = V = latent with the RoPE scores as
+    the mask: pagedkv's attention would read the pages as K and V. (deepseek_v2 and
+    minicpm3 cache full keys and values of different widths: a pool with ``v_head_dim``
+    serves them.) O(layers) attribute reads."""
     for layer in getattr(model, "layers", None) or ():
         attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
-        if getattr(attn, "kv_lora_rank", None) is not None:
-            raise NotSupportedError(f"{type(attn).__module__.rsplit('.', 1)[-1]}: multi-head latent attention "
-                                    "(keys and values of different widths) is not supported by pagedkv's pages")
+        if getattr(attn, "embed_q", None) is not None:
+            raise NotSupportedError(f"{type(attn).__module__.rsplit('.', 1)[-1]}: its attention caches a compressed "
+                                    "latent (multi-head latent attention), which pagedkv's pages do not serve")
 
 
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,

@@ -27,6 +27,8 @@ BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_atten
             head_dim=16, rms_norm_eps=1e-5, vocab_size=VOCAB, rope_theta=10000.0, max_position_embeddings=1024,
             tie_word_embeddings=False, layer_norm_eps=1e-5, norm_eps=1e-5, sliding_window=12,
             rope_traditional=False, attention_bias=False, mlp_bias=False)
+_YARN = {"type": "linear", "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+         "original_max_position_embeddings": 1024}
 SLIDING = ["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"]
 FAMILIES = {
     "gemma": {},
@@ -61,17 +63,26 @@ FAMILIES = {
                                         "original_max_position_embeddings": 1024}),
     "helium": {},
     "seed_oss": {},
-}
-_YARN = {"type": "linear", "factor": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
-         "original_max_position_embeddings": 1024}
-LATENT = {  # multi-head latent attention: keys and values of different widths
+    # multi-head latent attention caching full keys (24 wide: 16 + 8 RoPE) and values (16 wide)
     "deepseek_v2": dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         n_routed_experts=None, moe_intermediate_size=32, first_k_dense_replace=4, rope_scaling=_YARN),
+}
+LATENT = {  # multi-head latent attention caching a compressed latent
     "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
                         n_routed_experts=None, moe_intermediate_size=32, first_k_dense_replace=4, rope_scaling=_YARN,
                         n_shared_experts=None, num_experts_per_tok=1, routed_scaling_factor=1.0, topk_method="noaux_tc",
                         scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1),
 }
+
+
+def pool_like(caches: list, num_pages: int = 128) -> PagePool:
+    """A float32 pool of pages of 4 shaped as the K/V in mlx-lm's ``caches`` (after a
+    forward): KV heads and widths (gpt_neox has no grouped heads; deepseek_v2's values
+    are narrower than its keys), one layer per attention cache."""
+    attention = [c for c in caches if getattr(c, "keys", None) is not None]
+    _, kv_heads, _, head_dim = attention[0].keys.shape
+    return PagePool(num_layers=len(attention), num_kv_heads=kv_heads, head_dim=head_dim,
+                    v_head_dim=attention[0].values.shape[-1], page_size=4, num_pages=num_pages, dtype=mx.float32)
 
 
 def family_model(family: str, extra: dict):
@@ -89,9 +100,7 @@ def test_each_family_decodes_on_pages_as_on_mlx_lms_own_caches(family):
     prompt = prompt_of(30)  # longer than the sliding windows (12), so window pages drop
     ref_cache = make_prompt_cache(model)
     ref_tokens, ref_logits = greedy(model, prompt, ref_cache, 20)
-    _, kv_heads, _, head_dim = ref_cache[0].keys.shape  # (gpt_neox has no grouped KV heads)
-    pool = PagePool(num_layers=len(ref_cache), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4, num_pages=128,
-                    dtype=mx.float32)
+    pool = pool_like(ref_cache)
     with make_paged_cache(model, pool) as cache:
         tokens, logits = greedy(model, prompt, cache, 20)
         pool.allocator.check()
@@ -101,7 +110,7 @@ def test_each_family_decodes_on_pages_as_on_mlx_lms_own_caches(family):
 
 
 @pytest.mark.parametrize("family", sorted(LATENT))
-def test_a_latent_attention_family_is_refused_before_any_page_is_taken(family):
+def test_a_family_caching_a_compressed_latent_is_refused_before_any_page_is_taken(family):
     model = family_model(family, LATENT[family])
     pool = PagePool(num_layers=4, num_kv_heads=1, head_dim=16, page_size=4, num_pages=32, dtype=mx.float32)
     with pytest.raises(NotSupportedError, match="latent attention"):
@@ -126,9 +135,7 @@ def test_each_family_decodes_ragged_rows_in_one_batch_as_each_row_alone_on_mlx_l
     for seed, n in enumerate(lengths):
         ref_cache = make_prompt_cache(model)
         refs.append(greedy(model, prompt_of(n, seed=seed + 1), ref_cache, steps)[0])
-    _, kv_heads, _, head_dim = ref_cache[0].keys.shape
-    pool = PagePool(num_layers=len(ref_cache), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4,
-                    num_pages=128, dtype=mx.float32)
+    pool = pool_like(ref_cache)
     batch = PagedBatch.for_model(model, pool)
     first = []
     for seed, n in enumerate(lengths):
@@ -154,11 +161,9 @@ def test_each_familys_compiled_decode_steps_give_the_eager_batchs_logits(family)
     model = family_model(family, FAMILIES[family])
     ref_cache = make_prompt_cache(model)
     model(mx.array([[1, 2]]), cache=ref_cache)
-    _, kv_heads, _, head_dim = ref_cache[0].keys.shape
 
     def batch():
-        pool = PagePool(num_layers=len(ref_cache), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4,
-                        num_pages=128, dtype=mx.float32)
+        pool = pool_like(ref_cache)
         rows = PagedBatch.for_model(model, pool)
         for seed, n in enumerate([5, 17, 30]):
             cache = make_paged_cache(model, pool)
@@ -216,10 +221,7 @@ def test_each_hybrid_family_decodes_on_pages_and_state_slots_as_on_mlx_lms_own_c
     model = hybrid_model(family, HYBRIDS[family])
     ref_cache = make_prompt_cache(model)
     ref_tokens, ref_logits = greedy(model, prompt_of(30), ref_cache, 16)
-    attention = [c for c in ref_cache if type(c).__name__ == "KVCache"]
-    _, kv_heads, _, head_dim = attention[0].keys.shape
-    pool = PagePool(num_layers=len(attention), num_kv_heads=kv_heads, head_dim=head_dim, page_size=4, num_pages=128,
-                    dtype=mx.float32)
+    pool = pool_like(ref_cache)
     states = StatePool.for_model(model, num_slots=4)
     with make_paged_cache(model, pool, state_pool=states) as cache:
         tokens, logits = greedy(model, prompt_of(30), cache, 16)
