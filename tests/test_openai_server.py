@@ -298,8 +298,9 @@ def test_models_and_metrics_endpoints(client, server):
         assert name in text, name
 
 
-def stop_server(proc: subprocess.Popen) -> str:
-    """SIGTERM, as a process manager stops it; returns the start of its last words."""
+def stop_server(proc: subprocess.Popen, output: list[str] | None = None) -> str:
+    """SIGTERM, as a process manager stops it; returns the start of its last words (and
+    appends everything it printed to ``output``, if given)."""
     proc.terminate()
     try:
         out, _ = proc.communicate(timeout=30)
@@ -307,6 +308,8 @@ def stop_server(proc: subprocess.Popen) -> str:
         proc.kill()
         out, _ = proc.communicate()
         raise AssertionError(f"the server did not stop on SIGTERM: {out}") from None
+    if output is not None:
+        output.append(out)
     last = [line for line in out.splitlines() if line.startswith("engine stopped")]
     assert last, out
     return last[-1][: len("engine stopped: 0 KV pages in use, ")]

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pagedkv.errors import InvalidValueError
-from pagedkv.gguf_model import LoadedModel
+from pagedkv.loaded_model import LoadedModel
 from pagedkv.serving.engine import GenerationRequest
 from pagedkv.serving.engine_thread import EngineThread
 from pagedkv.serving.openai_api import (
@@ -73,7 +73,12 @@ def create_app(engine: EngineThread, lm: LoadedModel, *, default_max_tokens: int
 
     def prompt_of(req: ApiRequest) -> list[int]:
         if req.kind == "chat":
-            return lm.chat_tokens(list(req.messages))
+            from jinja2 import TemplateError
+
+            try:
+                return lm.chat_tokens(list(req.messages))
+            except (InvalidValueError, TemplateError) as e:  # (no template, or one that refuses these messages)
+                raise ApiError(400, str(e), param="messages") from None
         if isinstance(req.prompt, str):
             return lm.encode(req.prompt)
         try:

@@ -1,6 +1,6 @@
 """``pagedkv serve``: an OpenAI-compatible HTTP server on pagedkv's engine.
 
-    pagedkv serve [--model smollm2|tiny-random|PATH.gguf] [--host 127.0.0.1] [--port 8080]
+    pagedkv serve [--model smollm2|tiny-random|PATH.gguf|MLX_LM_DIR] [--host 127.0.0.1] [--port 8080]
                   [--pool-bytes N] [--page-size 16] [--kv-bits B] [--max-batch N]
                   [--prefill-budget N] [--max-tokens N] [--no-prefix-caching]
                   [--compiled-decode auto|on|off] [--overlap-decode on|off]
@@ -8,6 +8,12 @@
 The model, the pool and the engine are built on the engine's own thread (MLX streams
 are thread-local); uvicorn serves the Starlette app on the main thread's event loop.
 Ctrl-C (or SIGTERM) stops accepting, aborts what is in flight and releases every page.
+
+An mlx-lm model directory (``config.json``, safetensors, a Hugging Face tokenizer) may be
+any family pagedkv serves. A model with sliding-window layers runs without the prefix
+cache (it cannot keep a prompt's pages: the window gives them back), as
+``--no-prefix-caching``; a hybrid's recurrent layers get a state pool of ``2 x
+--max-batch`` slots (running requests and prefix checkpoints).
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="pagedkv serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2",
                     help="smollm2 (SmolLM2-135M-Instruct, the default), tiny-random (random weights "
-                         "with SmolLM2's tokenizer, for testing the serving path) or a llama GGUF path")
+                         "with SmolLM2's tokenizer, for testing the serving path), a llama GGUF path, or "
+                         "an mlx-lm model directory (config.json, safetensors, tokenizer)")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int_at_least(0), default=8080, help="0 picks a free port")
     ap.add_argument("--pool-bytes", type=int_at_least(1), default=DEFAULT_POOL_BYTES,
@@ -62,30 +69,44 @@ def load_model(spec: str):
     import attrs
 
     from pagedkv.gguf_model import load_gguf_llama, smollm2_path, tiny_random_llama
+    from pagedkv.mlx_lm_model import is_mlx_lm_dir, load_mlx_lm
 
     if spec == "smollm2":
         return attrs.evolve(load_gguf_llama(smollm2_path(install=True)), name="smollm2")
     if spec == "tiny-random":
         return tiny_random_llama(smollm2_path(install=True))
+    if is_mlx_lm_dir(spec):
+        return load_mlx_lm(spec)
     return load_gguf_llama(spec)
 
 
 def build_engine(args: argparse.Namespace, loaded: list):
     """Load the model and make the engine (runs on the engine thread)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedkv.cache import layout_for
+    from pagedkv.mlx_lm_caches import flat_caches
     from pagedkv.pool_factory import pool_for
     from pagedkv.serving.engine import Engine
     from pagedkv.serving.metrics import ServingMetrics
+    from pagedkv.state_pool import StatePool
 
     lm = load_model(args.model)
     loaded.append(lm)
     pool = pool_for(lm, page_size=args.page_size, max_bytes=args.pool_bytes, kv_bits=args.kv_bits)
+    recurrent = any(type(c).__name__ == "ArraysCache" for c in flat_caches(make_prompt_cache(lm.model)))
+    states = StatePool.for_model(lm.model, num_slots=2 * args.max_batch + 1) if recurrent else None
+    prefix_caching = not args.no_prefix_caching
+    if prefix_caching and layout_for(lm.model, pool, state_pool=states).has_windows:
+        print("prefix caching off: the model has sliding-window layers", file=sys.stderr, flush=True)
+        prefix_caching = False
     disk = None
     if args.disk_tier:
         from pagedkv.disk_tier import DiskTier
 
         disk = DiskTier(args.disk_tier, pool, max_bytes=args.disk_tier_bytes, model_id=model_fingerprint(lm))
     return Engine(lm.model, pool, decode=lm.decode, eos_token_ids=lm.eos_token_ids,
-                  max_batch=args.max_batch, prefix_caching=not args.no_prefix_caching,
+                  max_batch=args.max_batch, prefix_caching=prefix_caching, state_pool=states,
                   prefill_budget=args.prefill_budget, prefill_chunk=min(512, args.prefill_budget),
                   metrics=ServingMetrics(lm.name), disk_tier=disk,
                   compiled_decode=COMPILED_DECODE[args.compiled_decode],
