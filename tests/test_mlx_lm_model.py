@@ -34,6 +34,7 @@ def smollm2_dir(smollm2, tmp_path_factory):
     return save_mlx_lm(smollm2, tmp_path_factory.mktemp("models") / "smollm2-dir")
 
 
+@pytest.mark.slow
 def test_a_gguf_written_as_an_mlx_lm_directory_loads_back_as_the_same_model(smollm2, smollm2_dir):
     from pagedkv.mlx_lm_model import load_mlx_lm
 
