@@ -50,8 +50,6 @@ from pagedkv import PagePool  # noqa: E402
 from pagedkv.model_config import text_config  # noqa: E402
 from pagedkv.serving import Engine, GenerationRequest, SamplingParams  # noqa: E402
 
-SHAPES.setdefault("tiny", dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
-                               num_key_value_heads=2, head_dim=32, rope_theta=10000.0))
 # gemma3_text shapes: 5 sliding-window layers to each full-attention one
 GEMMA3_SHAPES = {
     "gemma3-1b": dict(hidden_size=1152, num_hidden_layers=26, intermediate_size=6912, num_attention_heads=4,

@@ -52,6 +52,9 @@ SHAPES = {
                num_key_value_heads=8, head_dim=64, rope_theta=500000.0),
     "8b": dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336, num_attention_heads=32,
                num_key_value_heads=8, head_dim=128, rope_theta=500000.0),
+    # for a CPU: the machinery, not the GPU's arithmetic
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, rope_theta=10000.0),
 }
 PS = 16
 
