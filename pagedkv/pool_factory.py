@@ -10,7 +10,7 @@ from pagedkv.codec import AffineQuant, rotated
 from pagedkv.errors import InvalidValueError, NotSupportedError, check_int
 from pagedkv.mlx_lm_caches import flat_caches
 from pagedkv.pool import PagePool
-from pagedkv.state_pool import StatePool, state_shapes
+from pagedkv.state_pool import StatePool
 
 
 def _probe(model) -> list:
@@ -37,20 +37,22 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
     forward on mlx-lm's own caches) and, for a hybrid model, a ``StatePool`` for its
     recurrent layers, together within ``max_bytes``: ``state_slots`` slots (default 64:
     running requests plus prefix checkpoints) come off the budget first, the rest is
-    pages. Full-attention (``KVCache``) layers only, as ``make_paged_cache`` lays them out.
+    pages. One pool layer per attention cache, full or sliding-window (``KVCache``,
+    ``RotatingKVCache``), as ``make_paged_cache`` lays them out.
     """
     check_int("max_bytes", max_bytes, minimum=1)
     cache = _probe(model)
     names = {type(c).__name__ for c in flat_caches(cache)}
-    if not names <= {"KVCache", "ArraysCache"}:
-        raise NotSupportedError(f"pools_for_model sizes KVCache and ArraysCache layers, the model has {sorted(names)}")
+    if not names <= {"KVCache", "RotatingKVCache", "ArraysCache"}:
+        raise NotSupportedError(f"pools_for_model sizes KVCache, RotatingKVCache and ArraysCache layers, the model "
+                                f"has {sorted(names)}")
     attn = _attention_caches(cache)
     if not attn:
         raise NotSupportedError("the model has no attention layers to page")
     states = None
     if "ArraysCache" in names:
         slots = 64 if state_slots is None else check_int("state_slots", state_slots, minimum=2)
-        states = StatePool(state_shapes(cache), num_slots=slots)  # (from the same probe forward)
+        states = StatePool.for_model(model, num_slots=slots)  # (refuses states that count no tokens)
     elif state_slots is not None:
         raise InvalidValueError("state_slots is for hybrid models; this one has no recurrent layers")
     left = max_bytes - (states.nbytes if states is not None else 0)

@@ -21,6 +21,7 @@ from pagedkv import (
     PagePool,
     StatePool,
     make_paged_cache,
+    pools_for_model,
 )
 
 BASE = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
@@ -232,8 +233,22 @@ def test_each_hybrid_family_decodes_on_pages_and_state_slots_as_on_mlx_lms_own_c
 
 @pytest.mark.parametrize("family", sorted(UNCOUNTED))
 def test_a_hybrid_family_whose_states_do_not_count_tokens_is_refused_by_its_state_pool(family):
+    model = hybrid_model(family, UNCOUNTED[family])
     with pytest.raises(NotSupportedError, match="cache.advance"):
-        StatePool.for_model(hybrid_model(family, UNCOUNTED[family]), num_slots=4)
+        StatePool.for_model(model, num_slots=4)
+    with pytest.raises(NotSupportedError, match="cache.advance"):
+        pools_for_model(model, max_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("family", ["cohere2", "gpt_oss", "olmo3"])
+def test_pools_for_model_sizes_a_sliding_window_family_that_then_decodes_as_mlx_lm(family):
+    model = family_model(family, FAMILIES[family])
+    pool, states = pools_for_model(model, max_bytes=1 << 20, page_size=4)
+    ref_cache = make_prompt_cache(model)
+    assert states is None and pool.num_layers == len(ref_cache)
+    with make_paged_cache(model, pool) as cache:
+        tokens, _ = greedy(model, prompt_of(30), cache, 12)  # past the window (12): its pages go back
+    assert tokens == greedy(model, prompt_of(30), ref_cache, 12)[0]
 
 
 def test_a_model_without_attention_layers_is_refused_by_make_paged_cache():
