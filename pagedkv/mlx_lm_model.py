@@ -80,7 +80,13 @@ def save_mlx_lm(lm: LoadedModel, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     args = lm.model.args
-    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(vars(args))
+    if dataclasses.is_dataclass(args):  # (a field left at its None default is left out: strict
+        # config classes, as transformers' that loading the tokenizer reads, refuse a None)
+        config = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+                  if not (getattr(args, f.name) is None and f.default is None)}
+        config = json.loads(json.dumps(config, default=lambda o: dataclasses.asdict(o)))
+    else:
+        config = dict(vars(args))
     quantized = {name: {"group_size": m.group_size, "bits": m.bits} for name, m in lm.model.named_modules()
                  if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
     if quantized:

@@ -111,3 +111,65 @@ def test_serve_runs_a_sliding_window_family_directory_without_the_prefix_cache(s
         output: list[str] = []
         assert stop_server(proc, output) == "engine stopped: 0 KV pages in use, "
     assert "prefix caching off: the model has sliding-window layers" in output[0]
+
+
+def _family_dirs() -> dict:
+    """mlx-lm configs of one family of each kind the server must set up differently,
+    with SmolLM2's vocabulary (its tokenizer is the directories')."""
+    from test_model_families import BASE, FAMILIES
+    from tiny_models import CONFIGS
+
+    return {
+        "qwen3_next": dict(CONFIGS["qwen3_next"]),  # hybrid: a state pool
+        "gemma3n": dict(CONFIGS["gemma3n"], text_config=dict(CONFIGS["gemma3n"]["text_config"])),  # KV sharing, windows
+        "gpt_oss": dict(BASE, model_type="gpt_oss", **FAMILIES["gpt_oss"]),  # sinks, windows
+        "deepseek_v2": dict(BASE, model_type="deepseek_v2", **FAMILIES["deepseek_v2"]),  # values narrower than keys
+    }
+
+
+@pytest.mark.parametrize("family", sorted(_family_dirs()))
+def test_the_server_sets_up_a_directory_of_each_kind_and_decodes_it_as_mlx_lm(smollm2, family, tmp_path):
+    """``build_engine`` (what ``pagedkv serve`` runs) on a directory written from a tiny
+    random model: the pool, state pool and prefix caching it picks serve two requests
+    with the tokens each gets alone on mlx-lm's own caches."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import _get_classes
+
+    from pagedkv.generation import generate
+    from pagedkv.loaded_model import LoadedModel
+    from pagedkv.mlx_lm_model import save_mlx_lm
+    from pagedkv.serving import GenerationRequest, SamplingParams
+    from pagedkv.serving.server import build_engine, build_parser
+
+    cfg = _family_dirs()[family]
+    vocab = smollm2.model.args.vocab_size
+    if "text_config" in cfg:
+        cfg["text_config"].update(vocab_size=vocab, vocab_size_per_layer_input=vocab)
+    else:
+        cfg["vocab_size"] = vocab
+    model_cls, args_cls = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_cls(args_cls.from_dict(cfg))
+    mx.eval(model.parameters())
+    path = save_mlx_lm(LoadedModel(model=model, tokenizer=smollm2.tokenizer, chat_template=smollm2.chat_template,
+                                   eos_token_ids=smollm2.eos_token_ids, num_layers=1, num_kv_heads=1, head_dim=16),
+                       tmp_path / family)
+    args = build_parser().parse_args(["--model", str(path), "--pool-bytes", str(4 << 20), "--page-size", "4",
+                                      "--max-batch", "4"])
+    loaded: list = []
+    engine = build_engine(args, loaded)
+    lm = loaded[0]
+    assert (engine.state_pool is not None) == (family == "qwen3_next")
+    assert (engine.prefix is None) == (family in ("gemma3n", "gpt_oss"))  # sliding windows
+    prompts = [lm.encode("The capital of France is"), lm.encode("Once upon a time, in a land far away, there")]
+    out: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        engine.add(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=12),
+                                     lambda d: out.setdefault(d.rid, []).extend(d.token_ids)))
+    while engine.has_work:
+        engine.step()
+    for i, prompt in enumerate(prompts):
+        assert out[f"r{i}"] == list(generate(lm.model, make_prompt_cache(lm.model), prompt, max_tokens=12,
+                                             eos_ids=lm.eos_token_ids))
+    engine.close()
+    assert engine.pool.allocator.num_in_use() == 0
