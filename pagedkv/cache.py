@@ -361,12 +361,26 @@ def _refuse_latent_attention(model) -> None:
     the latent and a RoPE key, which it reads as K = V = latent with the RoPE scores as
     the mask: pagedkv's attention would read the pages as K and V. (deepseek_v2 and
     minicpm3 cache full keys and values of different widths: a pool with ``v_head_dim``
-    serves them.) O(layers) attribute reads."""
+    serves them.) O(layers) attribute reads the first time per model class (an
+    architecture caches a latent or never does), O(1) after."""
+    latent = _LATENT.get(type(model))
+    if latent is None:
+        latent = _LATENT[type(model)] = _latent_attention_module(model)
+    if latent:
+        raise NotSupportedError(f"{latent}: its attention caches a compressed latent (multi-head latent "
+                                "attention), which pagedkv's pages do not serve")
+
+
+_LATENT: dict[type, str] = {}  # model class -> the module of its latent-caching attention, or ""
+
+
+def _latent_attention_module(model) -> str:
+    """The module name of ``model``'s first attention that caches a latent, or ""."""
     for layer in getattr(model, "layers", None) or ():
         attn = getattr(layer, "self_attn", None) or getattr(layer, "attention", None)
         if getattr(attn, "embed_q", None) is not None:
-            raise NotSupportedError(f"{type(attn).__module__.rsplit('.', 1)[-1]}: its attention caches a compressed "
-                                    "latent (multi-head latent attention), which pagedkv's pages do not serve")
+            return type(attn).__module__.rsplit(".", 1)[-1]
+    return ""
 
 
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
