@@ -133,7 +133,7 @@ def test_the_server_sets_up_a_directory_of_each_kind_and_decodes_it_as_mlx_lm(sm
     random model: the pool, state pool and prefix caching it picks serve two requests
     with the tokens each gets alone on mlx-lm's own caches."""
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import _get_classes
+    from tiny_models import model_of_config
 
     from pagedkv.generation import generate
     from pagedkv.loaded_model import LoadedModel
@@ -147,10 +147,7 @@ def test_the_server_sets_up_a_directory_of_each_kind_and_decodes_it_as_mlx_lm(sm
         cfg["text_config"].update(vocab_size=vocab, vocab_size_per_layer_input=vocab)
     else:
         cfg["vocab_size"] = vocab
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
-    mx.eval(model.parameters())
+    model = model_of_config(cfg)
     path = save_mlx_lm(LoadedModel(model=model, tokenizer=smollm2.tokenizer, chat_template=smollm2.chat_template,
                                    eos_token_ids=smollm2.eos_token_ids, num_layers=1, num_kv_heads=1, head_dim=16),
                        tmp_path / family)

@@ -11,8 +11,7 @@ go to mlx-lm's own attention), layers without RoPE (smollm3, llama4_text), parti
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.utils import _get_classes
-from tiny_models import LOGITS_ATOL, VOCAB, greedy, prompt_of
+from tiny_models import LOGITS_ATOL, VOCAB, greedy, model_of_config, prompt_of
 
 from pagedkv import (
     CompiledDecode,
@@ -87,12 +86,7 @@ def pool_like(caches: list, num_pages: int = 128) -> PagePool:
 
 
 def family_model(family: str, extra: dict):
-    cfg = dict(BASE, model_type=family, **extra)
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
-    mx.eval(model.parameters())
-    return model
+    return model_of_config(dict(BASE, model_type=family, **extra))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -209,12 +203,7 @@ MAMBA2 = dict(num_heads=4, head_dim=16, state_size=16, layer_norm_epsilon=1e-5, 
 
 
 def hybrid_model(family: str, extra: dict):
-    cfg = dict(HYBRID_BASE, model_type=family, **extra)
-    model_cls, args_cls = _get_classes(cfg)
-    mx.random.seed(0)
-    model = model_cls(args_cls.from_dict(cfg))
-    mx.eval(model.parameters())
-    return model
+    return model_of_config(dict(HYBRID_BASE, model_type=family, **extra))
 
 
 @pytest.mark.parametrize("family", sorted(HYBRIDS))

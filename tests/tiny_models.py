@@ -96,7 +96,12 @@ HYBRIDS = ("qwen3_next", "nemotron_h", "falcon_h1")
 
 def make_model(kind: str, seed: int = 0):
     """A float32 mlx-lm model of ``kind`` with random weights, evaluated."""
-    cfg = CONFIGS[kind]
+    return model_of_config(CONFIGS[kind], seed)
+
+
+def model_of_config(cfg: dict, seed: int = 0):
+    """mlx-lm's own model class for the config dict ``cfg`` (its "model_type" picks it),
+    with random float32 weights drawn from ``seed``, evaluated."""
     model_cls, args_cls = _get_classes(cfg)
     mx.random.seed(seed)
     model = model_cls(args_cls.from_dict(cfg))
