@@ -11,6 +11,9 @@ the gathered page components:
 - rotated K (TurboQuant): the query is rotated to match (R is orthogonal, so q·k is kept).
 - rotated V: attention runs on rotated values; the *output* is un-rotated once per query
   row (deferred-V), which equals un-rotating every cached value (attention is linear in V).
+- attention sinks (gpt_oss): one learned logit per query head that joins every row's
+  softmax and takes weight from the keys without adding a value, on every page kind
+  (mlx-lm's own quantised attention refuses them).
 
 The CUDA decode kernel reads the pool without a gather; ``PageRead.attend``
 (:mod:`pagedkv.page_read`), which holds the page table, tries it first.
@@ -40,9 +43,21 @@ def _mask_scores(scores: mx.array, mask, n_repeats: int) -> mx.array:
     return scores + mask
 
 
+def _softmax_with_sinks(scores: mx.array, sinks: mx.array | None) -> mx.array:
+    """Softmax over the last axis of ``scores`` [B, n_heads, L, K] (or [B, n_kv, rep, L,
+    K] in grouped form), with ``sinks`` [n_heads] as one more logit per head that no
+    value goes with (as ``mx.fast.scaled_dot_product_attention(..., sinks=)``)."""
+    if sinks is None:
+        return mx.softmax(scores, axis=-1, precise=True)
+    heads = scores.shape[1:-2]  # (n_heads,) or (n_kv, rep)
+    column = mx.broadcast_to(sinks.astype(scores.dtype).reshape(1, *heads, 1, 1), (*scores.shape[:-1], 1))
+    return mx.softmax(mx.concatenate([column, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+
+
 def quantized_attention(q: mx.array, k_parts, v_parts, scale: float, mask, *, k_bits: int,
-                        k_group: int, v_bits: int, v_group: int) -> mx.array:
-    """Attention of ``q`` [B, n_heads, L, D] over quantised (packed, scales, biases) K/V.
+                        k_group: int, v_bits: int, v_group: int, sinks: mx.array | None = None) -> mx.array:
+    """Attention of ``q`` [B, n_heads, L, D] over quantised (packed, scales, biases) K/V
+    (``sinks``: [n_heads] attention-sink logits, or None).
 
     MLX's CUDA backend (0.32) has no ``quantized_matmul`` for these shapes ("No
     implementation for problem shape"), so on CUDA the K/V are dequantised and SDPA runs.
@@ -50,7 +65,7 @@ def quantized_attention(q: mx.array, k_parts, v_parts, scale: float, mask, *, k_
     if paged_decode.available():
         k = mx.dequantize(*k_parts, group_size=k_group, bits=k_bits).astype(q.dtype)
         v = mx.dequantize(*v_parts, group_size=v_group, bits=v_bits).astype(q.dtype)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     b, n_heads, n_q, d = q.shape
     n_kv = k_parts[0].shape[-3]
     # quantized_matmul computes in the scales' dtype: promote fp16 scales to the query's
@@ -63,27 +78,29 @@ def quantized_attention(q: mx.array, k_parts, v_parts, scale: float, mask, *, k_
         k_parts = tuple(mx.expand_dims(x, -3) for x in k_parts)
         v_parts = tuple(mx.expand_dims(x, -3) for x in v_parts)
     scores = mx.quantized_matmul(queries, *k_parts, transpose=True, group_size=k_group, bits=k_bits)
-    scores = mx.softmax(_mask_scores(scores, mask, rep), axis=-1, precise=True)
+    scores = _softmax_with_sinks(_mask_scores(scores, mask, rep), sinks)
     out = mx.quantized_matmul(scores, *v_parts, transpose=False, group_size=v_group, bits=v_bits)
     if rep > 1:
         out = out.reshape(b, n_heads, n_q, -1)
     return out
 
 
-def attend_parts(q: mx.array, k_parts, v_parts, scale: float, mask, kind: PageKind) -> mx.array:
-    """Attention over one page kind's gathered components (see module doc)."""
+def attend_parts(q: mx.array, k_parts, v_parts, scale: float, mask, kind: PageKind,
+                 sinks: mx.array | None = None) -> mx.array:
+    """Attention over one page kind's gathered components (see module doc); ``sinks``:
+    [n_heads] attention-sink logits, or None."""
     kc, vc = kind.k_codec, kind.v_codec
     if kind.plain and q.dtype == kind.dtype:
-        return mx.fast.scaled_dot_product_attention(q, k_parts[0], v_parts[0], scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, k_parts[0], v_parts[0], scale=scale, mask=mask, sinks=sinks)
     if kc.rotated:
         q = kc.rotate(q)
     if kc.quantized and vc.quantized:
         out = quantized_attention(q, k_parts, v_parts, scale, mask, k_bits=kc.bits,
-                                  k_group=kc.group_size, v_bits=vc.bits, v_group=vc.group_size)
+                                  k_group=kc.group_size, v_bits=vc.bits, v_group=vc.group_size, sinks=sinks)
     else:
         k = kc.decode(k_parts, q.dtype)
         v = vc.decode(v_parts, q.dtype)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
     if vc.rotated:
         out = vc.unrotate(out)
     return out.astype(q.dtype)

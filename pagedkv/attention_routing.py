@@ -5,9 +5,13 @@ cache=cache, scale=..., mask=...)`` (``mlx_lm.models.base``) with the K/V that
 ``cache.update_and_fetch`` returned. ``route_attention(model)`` replaces that name in
 the modules of the model's attention classes with a router: when ``cache`` is a
 pagedkv layer cache it calls ``cache.attend(queries, scale, mask)``, which reads the
-pages (its class sets ``reads_pages``: pagedkv's layer caches and ``DonorCache``; the CUDA decode kernel on a GPU, quantised matmuls on packed pages, SDPA on
-the gathered pages); any other cache goes to mlx-lm's own function, unchanged. The
-K/V that ``update_and_fetch`` returned are then never computed (MLX is lazy).
+pages (its class sets ``reads_pages``: pagedkv's layer caches and ``DonorCache``; the
+CUDA decode kernel on a GPU, quantised matmuls on packed pages, SDPA on the gathered
+pages); any other cache goes to mlx-lm's own function, unchanged. The K/V that
+``update_and_fetch`` returned are then never computed (MLX is lazy). Attention with
+sinks (gpt_oss) goes to ``cache.attend(..., sinks=)`` where the class sets
+``takes_sinks`` (the layer caches of a sequence, a batch and a compiled step), and to
+mlx-lm's function with those K/V otherwise.
 
 Idempotent; ``make_paged_cache`` and ``PagedBatch.for_model`` call it. Costs: one
 ``isinstance`` per attention call.
@@ -22,8 +26,11 @@ _ROUTED = "_pagedkv_original"
 
 def _router(original):
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if getattr(cache, "reads_pages", False) and sinks is None:
-            return cache.attend(queries, scale, mask)
+        if getattr(cache, "reads_pages", False):
+            if sinks is None:
+                return cache.attend(queries, scale, mask)
+            if getattr(cache, "takes_sinks", False):
+                return cache.attend(queries, scale, mask, sinks=sinks)
         if sinks is None:
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

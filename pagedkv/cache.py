@@ -52,6 +52,7 @@ class LayerFace:
     """What the one-row and the batched face share: one layer of a ``RowSet``."""
 
     reads_pages = True  # route_attention sends mlx-lm's attention to ``attend``
+    takes_sinks = True  # ... attention sinks included
     exact = True  # keys returned exactly (one row) or page-aligned per row (a batch)
 
     def __init__(self, rows: RowSet, layer: int) -> None:
@@ -91,9 +92,10 @@ class LayerFace:
             raise KvShapeError("cache is empty")
         return self.pool.kind.model_inputs(*self.rows.read(self.layer, exact=self.exact))
 
-    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+    def attend(self, queries: mx.array, scale: float, mask, sinks: mx.array | None = None) -> mx.array:
         """This step's attention, read from the pages (``route_attention`` calls it in
-        place of mlx-lm's ``scaled_dot_product_attention``; see the module doc)."""
+        place of mlx-lm's ``scaled_dot_product_attention``; see the module doc);
+        ``sinks``: the layer's attention-sink logits [n_heads] (gpt_oss), or None."""
         self.rows.check_alive()
         # The step's gather, if the model still holds it (weak references: a kept read
         # would keep a copy of the K/V alive and be evaluated at the next write).
@@ -102,7 +104,7 @@ class LayerFace:
             parts = tuple(tuple(r() for r in p) for p in fetched[1])
             parts = None if any(x is None for p in parts for x in p) else parts
         return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask),
-                                self.exact, parts)
+                                self.exact, parts, sinks)
 
     def fetch_shared(self, kind: str = "view") -> SharedKv:
         """This step's K/V as a SharedKv (call after the step's write; caller releases

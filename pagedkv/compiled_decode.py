@@ -109,6 +109,7 @@ class _StepLayer:
     ``CompiledDecode._inputs``; mlx-lm's attention is routed to ``attend``."""
 
     reads_pages = True
+    takes_sinks = True
 
     def __init__(self, owner: CompiledDecode, layer: int) -> None:
         self._owner = weakref.ref(owner)  # (a strong one would make a cycle: see CompiledDecode)
@@ -159,10 +160,14 @@ class _StepLayer:
             raise KvShapeError("a KV-sharing layer read its donor before the donor wrote this step")
         return kv
 
-    def attend(self, queries: mx.array, scale: float, mask) -> mx.array:
+    def attend(self, queries: mx.array, scale: float, mask, sinks: mx.array | None = None) -> mx.array:
+        """The step's attention over the pages the table lists, each row's keys [start,
+        length): the decode kernel on a GPU, else (or with attention sinks, which the
+        kernel has none of) the pages gathered by the table."""
         _, _, table, lengths, starts = self.owner._inputs[1][self.spec]
         pool = self.pool
-        if pool.kind.decode_kernel and paged_decode.fits(queries, pool.num_kv_heads, pool.dtype):
+        if (sinks is None and pool.kind.decode_kernel
+                and paged_decode.fits(queries, pool.num_kv_heads, pool.dtype)):
             return paged_decode.paged_decode(queries, *pool.layer_arrays(self.pool_layer), table, lengths, starts,
                                              scale, num_pages=pool.num_pages, page_size=pool.page_size)
         b, width = table.shape
@@ -170,7 +175,7 @@ class _StepLayer:
         k_parts, v_parts = pool.gather(self.pool_layer, pool.gather_index(table), 0, keys, rows=b, track=False)
         col = mx.arange(keys, dtype=mx.int32)[None]
         visible = ((col >= starts[:, None]) & (col < lengths[:, None]))[:, None, None, :]
-        return attend_parts(queries, k_parts, v_parts, scale, visible, pool.kind)
+        return attend_parts(queries, k_parts, v_parts, scale, visible, pool.kind, sinks)
 
 
 def _give_back(allocators: list, supply: list[np.ndarray]) -> None:

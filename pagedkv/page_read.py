@@ -91,15 +91,16 @@ class PageRead:
                           window=window)
 
     def attend(self, layer: int, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool,
-               parts=None, window: int | None = None) -> mx.array:
+               parts=None, window: int | None = None, sinks: mx.array | None = None) -> mx.array:
         """Attention of ``q`` [B, n_heads, L, D] over these keys of pool layer ``layer``. ``mask`` is over
         ``parts(exact)``; ``kernel``: the caller vouches that ``mask`` adds nothing to
         the rows' ranges but causality and ``window`` (the queries are each row's last L
         positions), so the CUDA kernels may apply them instead: decode (one query per
         row) or prefill (several). ``parts``: this read's ``parts(exact)`` if the caller
-        already gathered them."""
+        already gathered them. ``sinks``: [n_heads] attention-sink logits (the kernels
+        have none: the pages are gathered)."""
         pool = self.pool
-        if kernel and pool.kind.decode_kernel:
+        if kernel and pool.kind.decode_kernel and sinks is None:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
                 return paged_decode.paged_decode(
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
@@ -109,7 +110,7 @@ class PageRead:
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
                     scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window)
         k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
-        return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind)
+        return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind, sinks)
 
     def kernel_ranges(self) -> list:
         """The kernels' (lengths, starts): [lo, hi) in gathered columns, made once for

@@ -680,13 +680,14 @@ class RowSet:
         return mask is None or mask is self._masks.get(self.layout.layers[layer][0])
 
     def attend(self, layer: int, queries: mx.array, scale: float, mask, mask_is_ours: bool,
-               exact: bool = True, parts=None) -> mx.array:
+               exact: bool = True, parts=None, sinks: mx.array | None = None) -> mx.array:
         """Attention of this step's queries over the layer's visible keys, read from the
         pages (``PageRead.attend``); ``mask_is_ours``: ``mask`` is None or what ``mask``
-        made for this step; ``parts``: what ``read`` already gathered for it."""
+        made for this step; ``parts``: what ``read`` already gathered for it; ``sinks``:
+        [n_heads] attention-sink logits, or None."""
         return self.read_plan(layer, *self.visible_range(layer)).attend(
             self.layout.layers[layer][1], queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts,
-            window=self.spec_of(layer).window)
+            window=self.spec_of(layer).window, sinks=sinks)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:

@@ -246,3 +246,26 @@ def test_a_model_without_attention_layers_is_refused_by_make_paged_cache():
     with pytest.raises(NotSupportedError, match="no attention layers"):
         make_paged_cache(model, pool, state_pool=StatePool.for_model(model, num_slots=4))
     assert pool.allocator.num_in_use() == 0
+
+
+def test_gpt_oss_on_8_bit_pages_keeps_its_attention_sinks_where_mlx_lms_quantised_cache_refuses():
+    """gpt_oss's attention has sinks: on affine 8-bit pages pagedkv's attention takes
+    them (mlx-lm's ``QuantizedKVCache`` raises). Fed the same tokens, its logits stay
+    within 8-bit rounding of mlx-lm's full-precision caches."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    from pagedkv import AffineQuant
+
+    model = model_of_config(dict(BASE, hidden_size=128, head_dim=32, model_type="gpt_oss", **FAMILIES["gpt_oss"]))
+    prompt, steps = prompt_of(30), [int(t) for t in prompt_of(12, seed=5)]
+    quantized = [QuantizedKVCache(group_size=32, bits=8) if type(c) is KVCache else c for c in make_prompt_cache(model)]
+    with pytest.raises(ValueError, match="sinks"):
+        model(mx.array(prompt)[None], cache=quantized)
+    ref_cache = make_prompt_cache(model)
+    pool = PagePool(num_layers=len(ref_cache), num_kv_heads=2, head_dim=32, page_size=4, num_pages=64,
+                    dtype=mx.float32, k_codec=AffineQuant(8, 32), v_codec=AffineQuant(8, 32))
+    with make_paged_cache(model, pool) as cache:
+        for tokens in [prompt] + [[t] for t in steps]:  # past the window (12): sliding pages drop
+            want = model(mx.array(tokens)[None], cache=ref_cache)[0, -1]
+            got = model(mx.array(tokens)[None], cache=cache)[0, -1]
+            assert mx.abs(got - want).max().item() < 0.05

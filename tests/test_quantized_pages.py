@@ -118,6 +118,30 @@ def test_turboquant_deferred_v_equals_eager_unrotation():
     plain.release()
 
 
+@pytest.mark.parametrize("codecs", ["fp", "affine8", "rotated4"])
+@pytest.mark.parametrize("mask", [None, "causal"])
+def test_attention_sinks_on_every_page_kind_match_mlx_fast_sdpa_on_the_decoded_pages(codecs, mask):
+    """``attend_parts(..., sinks=)``: one logit per query head joins the softmax (gpt_oss).
+    The reference is MLX's own ``scaled_dot_product_attention(..., sinks=)`` over the
+    pages the codec decodes to; mlx-lm's quantised attention refuses sinks."""
+    from pagedkv.attention import attend_parts
+
+    k_codec, v_codec = {"fp": (None, None), "affine8": (AffineQuant(8, 64), AffineQuant(8, 64)),
+                        "rotated4": (rotated(4, D, 64, seed=1), rotated(4, D, 64, seed=2))}[codecs]
+    pool, cache, _, _ = filled(k_codec, v_codec)
+    k_parts, v_parts = cache.rows.read(0)  # the 40 tokens' page components, as stored
+    keys, values = pool.kind.k_codec.decode(k_parts, mx.float32), pool.kind.v_codec.decode(v_parts, mx.float32)
+    if codecs == "rotated4":  # (rotated codecs decode into the rotated basis: back to the keys' own)
+        keys, values = pool.kind.k_codec.unrotate(keys), pool.kind.v_codec.unrotate(values)
+    mx.random.seed(7)
+    q, sinks = mx.random.normal((1, QH, 3, D)), mx.random.normal((QH,)) * 2
+    got = attend_parts(q, k_parts, v_parts, SCALE, mask, pool.kind, sinks)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=SCALE, mask=mask, sinks=sinks)
+    assert mx.allclose(got, want, atol=1e-4 if ON_CPU else 2e-3).item()
+    without = attend_parts(q, k_parts, v_parts, SCALE, mask, pool.kind)
+    assert not mx.allclose(got, without, atol=1e-2).item()  # the sinks took weight off the keys
+
+
 def test_rotated_keys_rotate_the_query_to_match():
     codec = rotated(8, D, group_size=64)
     pool, cache, k, v = filled(codec, codec)
