@@ -127,6 +127,7 @@ def _family_dirs() -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(_family_dirs()))
 def test_the_server_sets_up_a_directory_of_each_kind_and_decodes_it_as_mlx_lm(smollm2, family, tmp_path):
     """``build_engine`` (what ``pagedkv serve`` runs) on a directory written from a tiny
