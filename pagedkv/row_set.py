@@ -739,28 +739,42 @@ class RowSet:
 
     # ------------------------------------------------------------------ trimming
     def max_trim(self, layer: int) -> int:
-        """The most tokens every row of ``layer`` can go back now (0 on a hybrid)."""
+        """The most tokens every row of ``layer`` can go back now (0 on a hybrid): as
+        ``trim`` checks, in the tables of every layer that stands where this one does."""
         if self.states is not None:
             return 0
-        tables = self.layer_tables(layer)
-        return int(min((t.max_rewind(int(n)) for t, n in zip(tables, self.offsets[layer])), default=0))
+        here = self.offsets[layer].tolist()
+        return int(min((t.max_rewind(n) for s in self._trim_peers(layer) for t, n in zip(self._tables[s], here)),
+                       default=0))
+
+    def _trim_peers(self, layer: int) -> list[int]:
+        """The table specs a trim of ``layer`` must keep whole: its own, and every spec
+        with a layer at the same positions (they go back with it when mlx-lm trims the
+        model layer by layer). O(layers x rows)."""
+        here, own = self.offsets[layer], self.layout.layers[layer][0]
+        return [s for s in range(len(self._tables))
+                if s == own or any(np.array_equal(self.offsets[other], here) for other in self.layers_of(s))]
 
     def trim(self, layer: int, n: int) -> int:
         """Forget the last ``n`` tokens of ``layer`` in every row (at most what the
         shortest row holds); once every layer of a table went back, the table frees the
         tail pages. Raises ``TrimError`` and changes nothing if a sliding window already
-        dropped keys a query at the new end needs."""
+        dropped keys a query at the new end needs: in this layer's tables, or in those of
+        any layer that stands where this one does (mlx-lm trims a model layer by layer,
+        so a full-attention layer must not go back when a sliding one beside it cannot)."""
         self.check_alive()
         n = check_int("n", n, minimum=0)
         if self.states is not None and n:
             raise NotSupportedError("a hybrid model's rows cannot be trimmed: recurrent state cannot go back")
         if self.num_rows == 0:
             return 0
-        n = min(n, int(self.offsets[layer].min()))
+        here = self.offsets[layer]
+        n = min(n, int(here.min()))
         if n == 0:
             return 0
-        for t, held in zip(self.layer_tables(layer), self.offsets[layer]):
-            t.check_rewind(int(held) - n)
+        for s in self._trim_peers(layer):
+            for t, held in zip(self._tables[s], here.tolist()):
+                t.check_rewind(held - n)
         self._close_step()
         self.offsets[layer] -= n
         self.step_starts[layer] = np.minimum(self.step_starts[layer], self.offsets[layer])

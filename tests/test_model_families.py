@@ -269,3 +269,38 @@ def test_gpt_oss_on_8_bit_pages_keeps_its_attention_sinks_where_mlx_lms_quantise
             want = model(mx.array(tokens)[None], cache=ref_cache)[0, -1]
             got = model(mx.array(tokens)[None], cache=cache)[0, -1]
             assert mx.abs(got - want).max().item() < 0.05
+
+
+def test_a_trim_that_a_sliding_layer_refuses_changes_no_layer_even_when_a_full_layer_goes_first():
+    """olmo3 with its full-attention layer first: mlx-lm's ``trim_prompt_cache`` trims
+    layer by layer, so the full layer must refuse what the sliding layers beside it
+    cannot do (their window's pages are gone), or the cache is left half trimmed. What
+    they can do, every layer does, and the sequence then continues as mlx-lm's own
+    caches holding the same tokens."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    from pagedkv import TrimError
+
+    model = family_model("olmo3", dict(FAMILIES["olmo3"], layer_types=[
+        "full_attention", "sliding_attention", "sliding_attention", "full_attention"]))
+    tokens, _ = greedy(model, prompt_of(30), make_prompt_cache(model), 8)
+    seq = prompt_of(30) + tokens[:-1]  # the 37 tokens a cache holds after that decode
+    ref_cache = make_prompt_cache(model)
+    model(mx.array(seq[:37])[None], cache=ref_cache)
+    pool = pool_like(ref_cache)
+    with make_paged_cache(model, pool) as cache:
+        model(mx.array(seq[:30])[None], cache=cache)
+        for token in seq[30:]:  # decode steps: the sliding layers drop the pages behind their window
+            model(mx.array([[token]]), cache=cache)
+        before = (cache.rows.offsets.copy(), pool.allocator.num_in_use())
+        most = {layer.max_trim() for layer in cache}
+        assert len(most) == 1 and 0 < most.pop() < 5  # the windows (12) left the full layers no more
+        with pytest.raises(TrimError):
+            trim_prompt_cache(cache, 5)
+        assert (cache.rows.offsets == before[0]).all() and pool.allocator.num_in_use() == before[1]
+        assert trim_prompt_cache(cache, 2) == 2 and (cache.rows.offsets == 35).all()
+        ref_cache = make_prompt_cache(model)
+        model(mx.array(seq[:35])[None], cache=ref_cache)
+        for token in seq[35:] + [5, 6]:
+            want = model(mx.array([[token]]), cache=ref_cache)[0, -1]
+            assert mx.allclose(model(mx.array([[token]]), cache=cache)[0, -1], want, atol=LOGITS_ATOL).item()
