@@ -37,9 +37,8 @@ def load_mlx_lm(path: str | os.PathLike) -> LoadedModel:
     path = Path(path)
     if not is_mlx_lm_dir(path):
         raise InvalidValueError(f"{path} is not an mlx-lm model directory (no config.json)")
-    model, wrapper = load(str(path))
-    hf = wrapper._tokenizer
-    backend = getattr(hf, "backend_tokenizer", None)
+    model, wrapper = load(str(path))  # (the wrapper hands other attributes on to the Hugging Face tokenizer)
+    backend = getattr(wrapper, "backend_tokenizer", None)
     if backend is None:
         raise NotSupportedError(f"{path}: the tokenizer has no fast (tokenizers) form")
     caches = make_prompt_cache(model)
@@ -49,12 +48,12 @@ def load_mlx_lm(path: str | os.PathLike) -> LoadedModel:
         raise NotSupportedError(f"{path}: the model has no attention layers (no K/V for pages to hold)")
     _, kv_heads, _, head_dim = attention[0].keys.shape
     v_head_dim = attention[0].values.shape[-1]
-    template = hf.chat_template if isinstance(hf.chat_template, str) else None
+    template = wrapper.chat_template if isinstance(wrapper.chat_template, str) else None
 
     def render(messages: list[dict]) -> str:
         if template is None:
             raise InvalidValueError(f"{path.name} has no chat template: send a prompt to /v1/completions")
-        return hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return wrapper.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     return LoadedModel(
         model=model, tokenizer=backend, chat_template=template or "", eos_token_ids=tuple(sorted(wrapper.eos_token_ids)),
