@@ -148,34 +148,33 @@ class _StepLayer:
         pool.scatter(self.pool_layer, rows, slots, keys, values)
         b, width = table.shape
         parts = pool.gather(self.pool_layer, pool.gather_index(table), 0, width * pool.page_size, rows=b, track=False)
-        owner._inputs[2][self] = kv = pool.kind.model_inputs(*parts)
-        return kv
+        owner._inputs[2][self] = parts
+        return pool.kind.model_inputs(*parts)
+
+    def _written(self) -> tuple:
+        """The K and V components this layer's ``update_and_fetch`` gathered in this trace."""
+        parts = self.owner._inputs[2].get(self)
+        if parts is None:
+            raise KvShapeError("a layer's K/V were read before its write of this step")
+        return parts
 
     def keys_and_values(self):
         """A KV-sharing layer's read of its donor (gemma3n): what the donor's
         ``update_and_fetch`` returned in this trace (the sharer's attention, routed to
         this layer's ``attend``, reads the pages the donor wrote instead)."""
-        kv = self.owner._inputs[2].get(self)
-        if kv is None:
-            raise KvShapeError("a KV-sharing layer read its donor before the donor wrote this step")
-        return kv
+        return self.pool.kind.model_inputs(*self._written())
 
     def attend(self, queries: mx.array, scale: float, mask, sinks: mx.array | None = None) -> mx.array:
         """The step's attention over the pages the table lists, each row's keys [start,
         length): the decode kernel on a GPU, else (or with attention sinks, which the
-        kernel has none of) the pages gathered by the table."""
+        kernel has none of) the pages ``update_and_fetch`` gathered, under ``make_mask``."""
         _, _, table, lengths, starts = self.owner._inputs[1][self.spec]
         pool = self.pool
         if (sinks is None and pool.kind.decode_kernel
                 and paged_decode.fits(queries, pool.num_kv_heads, pool.dtype)):
             return paged_decode.paged_decode(queries, *pool.layer_arrays(self.pool_layer), table, lengths, starts,
                                              scale, num_pages=pool.num_pages, page_size=pool.page_size)
-        b, width = table.shape
-        keys = width * pool.page_size
-        k_parts, v_parts = pool.gather(self.pool_layer, pool.gather_index(table), 0, keys, rows=b, track=False)
-        col = mx.arange(keys, dtype=mx.int32)[None]
-        visible = ((col >= starts[:, None]) & (col < lengths[:, None]))[:, None, None, :]
-        return attend_parts(queries, k_parts, v_parts, scale, visible, pool.kind, sinks)
+        return attend_parts(queries, *self._written(), scale, self.make_mask(1), pool.kind, sinks)
 
 
 def _give_back(allocators: list, supply: list[np.ndarray]) -> None:
@@ -266,7 +265,7 @@ class CompiledDecode:
             # a sliding window's first key (columns before it may list pages it dropped)
             first = starts if spec.window is None else mx.maximum(lengths - spec.window, 0)
             per_spec.append((rows, slots, table, lengths, first))
-        self._inputs = (positions, per_spec, {})  # (the last: each layer's K/V of this trace)
+        self._inputs = (positions, per_spec, {})  # (the last: each layer's gathered K/V parts of this trace)
         try:
             return self.model(tokens, cache=self._layers), positions
         finally:
