@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pagedkv.errors import InvalidValueError, NotSupportedError
 from pagedkv.loaded_model import LoadedModel
-from pagedkv.mlx_lm_caches import flat_caches
+from pagedkv.pool_factory import kv_shape
 
 
 def is_mlx_lm_dir(path: str | os.PathLike) -> bool:
@@ -30,9 +30,7 @@ def load_mlx_lm(path: str | os.PathLike) -> LoadedModel:
     """The model in directory ``path``, named after the directory. ``InvalidValueError``
     when it is not an mlx-lm model directory; ``NotSupportedError`` when its tokenizer has
     no fast (``tokenizers``) form or the model has no attention layers."""
-    import mlx.core as mx
     from mlx_lm import load
-    from mlx_lm.models.cache import make_prompt_cache
 
     path = Path(path)
     if not is_mlx_lm_dir(path):
@@ -41,13 +39,7 @@ def load_mlx_lm(path: str | os.PathLike) -> LoadedModel:
     backend = getattr(wrapper, "backend_tokenizer", None)
     if backend is None:
         raise NotSupportedError(f"{path}: the tokenizer has no fast (tokenizers) form")
-    caches = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=caches)
-    attention = [c for c in flat_caches(caches) if getattr(c, "keys", None) is not None]
-    if not attention:
-        raise NotSupportedError(f"{path}: the model has no attention layers (no K/V for pages to hold)")
-    _, kv_heads, _, head_dim = attention[0].keys.shape
-    v_head_dim = attention[0].values.shape[-1]
+    num_layers, kv_heads, head_dim, v_head_dim = kv_shape(model)
     template = wrapper.chat_template if isinstance(wrapper.chat_template, str) else None
 
     def render(messages: list[dict]) -> str:
@@ -57,8 +49,8 @@ def load_mlx_lm(path: str | os.PathLike) -> LoadedModel:
 
     return LoadedModel(
         model=model, tokenizer=backend, chat_template=template or "", eos_token_ids=tuple(sorted(wrapper.eos_token_ids)),
-        num_layers=len(attention), num_kv_heads=int(kv_heads), head_dim=int(head_dim), name=path.name,
-        v_head_dim=int(v_head_dim) if v_head_dim != head_dim else None, render_chat=render,
+        num_layers=num_layers, num_kv_heads=kv_heads, head_dim=head_dim, name=path.name,
+        v_head_dim=v_head_dim if v_head_dim != head_dim else None, render_chat=render,
     )
 
 

@@ -31,6 +31,17 @@ def kv_dtype(model) -> mx.Dtype:
     return _attention_caches(_probe(model))[0].keys.dtype
 
 
+def kv_shape(model) -> tuple[int, int, int, int]:
+    """(attention cache slots, KV heads, key width, value width) of a model's caches,
+    read off mlx-lm's own after a one-token forward, so every family reports them the
+    same way. ``NotSupportedError`` for a model with no attention layers."""
+    attn = _attention_caches(_probe(model))
+    if not attn:
+        raise NotSupportedError("the model has no attention layers to page")
+    _, heads, _, head_dim = attn[0].keys.shape
+    return len(attn), int(heads), int(head_dim), int(attn[0].values.shape[-1])
+
+
 def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
                     state_slots: int | None = None) -> tuple[PagePool, StatePool | None]:
     """A ``PagePool`` for ``model``'s attention layers (shapes and dtype from a one-token
