@@ -1,14 +1,16 @@
 """Paged decode attention and token writes on a CUDA GPU (run on the H200).
 
-    python bench/gpu_attention.py [--quick | --focus] [--skip-attention] [--skip-prefill] [--skip-writes]
-                                  [--out FILE]
+    python bench/gpu_attention.py [--quick | --focus] [--sinks] [--skip-attention] [--skip-prefill]
+                                  [--skip-writes] [--out FILE]
 
 1. Attention, fp16, 32 query heads, 8 KV heads, D=128, pages of 16 tokens in random
    order, B in {1, 8, 32, 64, 128}, L in {1k, 4k, 16k, 32k}, plus ragged batches
    (lengths uniform in [256, 8k]). In the same run: the paged kernel, SDPA on the same
    K/V held contiguously (padded + masked for ragged rows), and gather + SDPA (the
    exact fallback path). Effective KV bandwidth = K/V bytes read / kernel time, next to
-   a plain device-to-device copy (read + write bytes / time) measured here.
+   a plain device-to-device copy (read + write bytes / time) measured here. ``--sinks``:
+   every contender with attention sinks (gpt_oss; one logit per query head), which the
+   paged path read by gather + SDPA until the kernel's merge took them.
 2. Prefill attention (D = 64 and 128; contexts to 16k, whole and chunked prefill,
    ragged rows): the paged prefill kernel, SDPA on contiguous K/V, gather + SDPA.
 3. Token writes vs pool size (0.5 to 4 GiB per layer array): ``pool[rows, slots] = tok``
@@ -92,16 +94,16 @@ def setup(lengths: list[int], rng, d: int = D):
     return kpool, vpool, mx.array(table), index, kc, vc, total
 
 
-def baselines(q, kpool, vpool, index, kc, vc, scale: float, mask):
+def baselines(q, kpool, vpool, index, kc, vc, scale: float, mask, sinks=None):
     """The two references a paged kernel is timed against: SDPA on the contiguous K/V
     (``kc``/``vc``), and gathering the pages (``index``) for SDPA."""
     def sdpa():
-        return mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, kc, vc, scale=scale, mask=mask, sinks=sinks)
 
     def gather():
         k = mx.take(kpool, index, axis=0).reshape(kc.shape)
         v = mx.take(vpool, index, axis=0).reshape(vc.shape)
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
 
     return sdpa, gather
 
@@ -121,6 +123,9 @@ def attention(args) -> None:
     if args.focus:  # the configurations the issue's targets name
         cases = [(b, [4096] * b, "4096") for b in (8, 32, 64)] + [(64, rng.integers(256, 8193, 64).tolist(), "ragged")]
     scale = D ** -0.5
+    sinks = mx.random.normal((HQ,)).astype(mx.float16) + 4 if args.sinks else None
+    if args.sinks:
+        say("attention sinks: every contender")
     for b, lengths, label in cases:
         if b * max(lengths) * HKV * D >= 2**31:  # MLX's take (the fallback) indexes with int32
             say(f"{b:>4}{label:>7}   skipped: {b * max(lengths) * HKV * D} elements per K copy >= 2^31")
@@ -136,9 +141,9 @@ def attention(args) -> None:
 
         def kernel():
             return paged_decode.paged_decode(q, kpool, vpool, table, lens_a, starts, scale,
-                                             num_pages=total, page_size=PS)
+                                             num_pages=total, page_size=PS, sinks=sinks)
 
-        sdpa, gather = baselines(q, kpool, vpool, index, kc, vc, scale, mask)
+        sdpa, gather = baselines(q, kpool, vpool, index, kc, vc, scale, mask, sinks)
         err = (mx.abs(kernel().astype(mx.float32) - sdpa().astype(mx.float32)).max()).item()
         tk, ts, tg = bench(kernel), bench(sdpa), bench(gather, iters=3)
         kv_bytes = sum(lengths) * HKV * D * 2 * 2
@@ -274,6 +279,7 @@ def main() -> None:
     ap.add_argument("--tilings", default="", help="prefill kernel tilings to time too, e.g. 2x32,2x64 "
                     "(m16 tiles per warp x keys per stage)")
     ap.add_argument("--focus", action="store_true", help="B=8/32/64 at L=4k and one ragged batch; no writes")
+    ap.add_argument("--sinks", action="store_true", help="attention sinks on every contender (decode)")
     args = ap.parse_args()
     args.tilings = [tuple(int(x) for x in t.split("x")) for t in args.tilings.split(",") if t]
     if not paged_decode.available():

@@ -140,8 +140,9 @@ class _StepLayer:
         """Write the step's K/V into the pages; return every key the table lists, as
         mlx-lm's model inputs [B, kv_heads, keys, D] (``make_mask`` says which a row
         sees). Attention routed to ``attend`` never reads them, so the trace drops the
-        gather; attention that is not routed (sinks: gpt_oss) reads them, as it reads
-        an eager step's."""
+        gather; attention that is not routed (a model's own attention code that does not
+        call mlx-lm's ``scaled_dot_product_attention``) reads them, as it reads an eager
+        step's."""
         owner = self.owner
         rows, slots, table = owner._inputs[1][self.spec][:3]
         pool = self.pool
@@ -166,14 +167,14 @@ class _StepLayer:
 
     def attend(self, queries: mx.array, scale: float, mask, sinks: mx.array | None = None) -> mx.array:
         """The step's attention over the pages the table lists, each row's keys [start,
-        length): the decode kernel on a GPU, else (or with attention sinks, which the
-        kernel has none of) the pages ``update_and_fetch`` gathered, under ``make_mask``."""
+        length): the decode kernel on a GPU (attention sinks included), else the pages
+        ``update_and_fetch`` gathered, under ``make_mask``."""
         _, _, table, lengths, starts = self.owner._inputs[1][self.spec]
         pool = self.pool
-        if (sinks is None and pool.kind.decode_kernel
-                and paged_decode.fits(queries, pool.num_kv_heads, pool.dtype)):
+        if pool.kind.decode_kernel and paged_decode.fits(queries, pool.num_kv_heads, pool.dtype):
             return paged_decode.paged_decode(queries, *pool.layer_arrays(self.pool_layer), table, lengths, starts,
-                                             scale, num_pages=pool.num_pages, page_size=pool.page_size)
+                                             scale, num_pages=pool.num_pages, page_size=pool.page_size,
+                                             sinks=sinks)
         return attend_parts(queries, *self._written(), scale, self.make_mask(1), pool.kind, sinks)
 
 

@@ -97,18 +97,18 @@ class PageRead:
         the rows' ranges but causality and ``window`` (the queries are each row's last L
         positions), so the CUDA kernels may apply them instead: decode (one query per
         row) or prefill (several). ``parts``: this read's ``parts(exact)`` if the caller
-        already gathered them. ``sinks``: [n_heads] attention-sink logits (the kernels
-        have none: the pages are gathered)."""
+        already gathered them. ``sinks``: [n_heads] attention-sink logits (gpt_oss), or
+        None; the kernels apply them in their merge."""
         pool = self.pool
-        if kernel and pool.kind.decode_kernel and sinks is None:
+        if kernel and pool.kind.decode_kernel:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
                 return paged_decode.paged_decode(
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
-                    scale, num_pages=pool.num_pages, page_size=pool.page_size)
+                    scale, num_pages=pool.num_pages, page_size=pool.page_size, sinks=sinks)
             if paged_prefill.fits(q, pool.num_kv_heads, pool.dtype) and paged_prefill.preferred(q, mask):
                 return paged_prefill.paged_prefill(
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
-                    scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window)
+                    scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window, sinks=sinks)
         k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind, sinks)
 

@@ -1,6 +1,7 @@
 """The CUDA paged decode kernel vs gather + SDPA and a float32 reference (GPU only)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
@@ -32,11 +33,11 @@ def random_pool(dtype, d, lengths, hkv=4, ps=16, seed=0):
     return pool, caches, kvs
 
 
-def reference(q, kvs, scale):
+def reference(q, kvs, scale, sinks=None):
     outs = []
     for b, (k, v) in enumerate(kvs):
         outs.append(mx.fast.scaled_dot_product_attention(
-            q[b : b + 1].astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=scale))
+            q[b : b + 1].astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), scale=scale, sinks=sinks))
     return mx.concatenate(outs)
 
 
@@ -155,7 +156,7 @@ def test_the_models_own_decode_step_and_the_batch_run_on_the_kernel(monkeypatch)
 
 
 # ---------------------------------------------------------------- prefill kernel
-def prefill_reference(q, kvs, lengths, starts, scale, window=None):
+def prefill_reference(q, kvs, lengths, starts, scale, window=None, sinks=None):
     """Float32 SDPA per row: query i at lengths[b] - L + i sees keys [starts[b], that]."""
     lq = q.shape[2]
     outs = []
@@ -168,7 +169,7 @@ def prefill_reference(q, kvs, lengths, starts, scale, window=None):
             mask &= keys > pos - window
         outs.append(mx.fast.scaled_dot_product_attention(
             q[b : b + 1].astype(mx.float32), k[:, :, :n].astype(mx.float32), v[:, :, :n].astype(mx.float32),
-            scale=scale, mask=mx.array(mask)))
+            scale=scale, mask=mx.array(mask), sinks=sinks))
     return mx.concatenate(outs)
 
 
@@ -258,6 +259,47 @@ def test_prefill_kernel_every_tiling_gives_the_same_answer(tiling):
     view.release()
 
 
+def large_sinks(hq, seed=3):
+    """Sink logits [hq] near the log-sum-exp of these tests' scores (about 6-8), so the
+    sink takes a large, head-dependent share of each softmax."""
+    return mx.array(6 + 2 * np.random.default_rng(seed).standard_normal(hq), dtype=mx.float32)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("lengths", [[1000], [5, 777, 1600, 33]])
+def test_decode_kernel_applies_attention_sinks_as_sdpa_does(dtype, lengths):
+    pool, caches, kvs = random_pool(dtype, 64, lengths)
+    hq = 8
+    q = mx.array(np.random.default_rng(1).standard_normal((len(lengths), hq, 1, 64)).astype(np.float32)).astype(dtype)
+    sinks = large_sinks(hq)
+    view = KvAttentionView(pool, 0, [c.table for c in caches])
+    args = (q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
+            mx.zeros((len(lengths),), mx.int32), 0.125)
+    got = paged_decode.paged_decode(*args, num_pages=pool.num_pages, page_size=16, poison=True,
+                                    sinks=sinks.astype(dtype))
+    want = reference(q, kvs, 0.125, sinks.astype(dtype).astype(mx.float32))
+    assert rel(got, want) < TOL[dtype]
+    without = paged_decode.paged_decode(*args, num_pages=pool.num_pages, page_size=16)
+    assert rel(without, want) > 0.1  # the sinks changed the answer
+    view.release()
+
+
+def test_prefill_kernel_applies_attention_sinks_as_sdpa_does():
+    lengths, starts, lq, hq = [700, 90, 1300], [0, 5, 300], 90, 12
+    pool, caches, kvs = random_pool(mx.float16, 64, lengths)
+    q = mx.array(np.random.default_rng(2).standard_normal((3, hq, lq, 64)).astype(np.float32)).astype(mx.float16)
+    sinks = large_sinks(hq)
+    view = KvAttentionView(pool, 0, [c.table for c in caches])
+    got = paged_prefill.paged_prefill(
+        q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
+        mx.array(starts, dtype=mx.int32), 0.125, num_pages=pool.num_pages, page_size=16, window=256,
+        poison=True, sinks=sinks)
+    want = prefill_reference(q, kvs, lengths, starts, 0.125, 256, sinks)
+    assert rel(got, want) < TOL[mx.float16]
+    assert rel(prefill_reference(q, kvs, lengths, starts, 0.125, 256), want) > 0.1
+    view.release()
+
+
 def test_a_compiled_decode_step_runs_the_kernel_and_gives_the_eager_logits(monkeypatch):
     """CompiledDecode on fp16 pages: the trace calls the decode kernel, and each step's
     logits match the eager batch's (same tokens fed to both)."""
@@ -293,5 +335,54 @@ def test_a_compiled_decode_step_runs_the_kernel_and_gives_the_eager_logits(monke
         tok = mx.argmax(want[:, -1], axis=-1)[:, None]
     assert 1 <= step.traces < 20 and traced == step.traces * len(model.layers)
     assert eager.lengths == compiled.lengths
+    eager.release()
+    compiled.release()
+
+
+def test_gpt_oss_decode_steps_read_the_pages_through_the_kernel_with_their_attention_sinks(monkeypatch):
+    """gpt_oss's attention has sinks. On fp16 pages its decode steps (one cache, and a
+    compiled step over a batch) call the decode kernel, which applies the sinks, and
+    give mlx-lm's logits (its own caches: rotating ones on the sliding layers)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from test_model_families import BASE, FAMILIES
+    from tiny_models import model_of_config, prompt_of
+
+    from pagedkv import CompiledDecode, PagedBatch, make_paged_cache
+
+    model = model_of_config(dict(BASE, hidden_size=128, head_dim=64, model_type="gpt_oss", **FAMILIES["gpt_oss"]))
+    for i, layer in enumerate(model.model.layers):  # sinks that take a large share of each softmax
+        layer.self_attn.sinks = 3 + mx.random.normal(layer.self_attn.sinks.shape, key=mx.random.key(i))
+        layer.mlp = nn.Identity()  # (its MoE's gather_mm would need float32 on a CPU; attention is what counts)
+    model.set_dtype(mx.float16)
+    calls = []
+    real = paged_decode.paged_decode
+    monkeypatch.setattr(paged_decode, "paged_decode", lambda *a, **k: (calls.append(k.get("sinks")), real(*a, **k))[1])
+    pool = PagePool(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, num_pages=64, dtype=mx.float16)
+    prompt, steps = prompt_of(30), [int(t) for t in prompt_of(10, seed=5)]
+    ref_cache = make_prompt_cache(model)
+    with make_paged_cache(model, pool) as cache:
+        for tokens in [prompt] + [[t] for t in steps]:  # past the window (12)
+            want = model(mx.array(tokens)[None], cache=ref_cache)[0, -1]
+            got = model(mx.array(tokens)[None], cache=cache)[0, -1]
+            assert rel(got, want) < 2e-2
+    assert len(calls) == len(steps) * 4 and all(s is not None for s in calls)
+
+    def batch():
+        rows = PagedBatch.for_model(model, pool)
+        for seed, n in enumerate([5, 17, 30]):
+            cache = make_paged_cache(model, pool)
+            model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)
+            rows.extend(cache)
+        return rows
+
+    eager, compiled = batch(), batch()
+    step = CompiledDecode(model, compiled, bucket=2)
+    calls.clear()
+    tok = mx.array([[1], [2], [3]])
+    for _ in range(10):
+        want, got = model(tok, cache=eager.caches), step(tok)
+        assert rel(got, want) < 2e-2
+        tok = mx.argmax(want[:, -1], axis=-1)[:, None]
+    assert calls  # the trace called the kernel
     eager.release()
     compiled.release()

@@ -449,7 +449,11 @@ template <typename T, int ROWS> __device__ __forceinline__ void mma_16x8x16(
     const long long base = (long long)bq * S;
     float mm = -INFINITY;
     for (int s = 0; s < S; ++s) mm = fmaxf(mm, part_ml[(base + s) * 2]);
-    float ll = 0.f;
+    // attention sinks (SINKS = 1, gpt_oss): one more logit per query head that no value
+    // goes with; it joins the max and the sum, so every weight shrinks by the sink's share
+    const float sink = SINKS ? sinks[(bq / LQ) % HQ] * 1.4426950408889634f : -INFINITY;
+    mm = fmaxf(mm, sink);
+    float ll = SINKS ? exp2f(sink - mm) : 0.f;
     for (int s = 0; s < S; ++s) {
         const float ms = part_ml[(base + s) * 2];
         if (ms != -INFINITY) ll += part_ml[(base + s) * 2 + 1] * exp2f(ms - mm);

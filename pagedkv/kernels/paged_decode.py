@@ -21,7 +21,9 @@ Two kernels through ``mx.fast.cuda_kernel`` (flash-decoding style split-K):
           iteration; warps merge through shared memory, and the block writes
           (acc[D], m, l) per query head.
   pass 2  one block per (row, query head): merges the splits' partials and writes the
-          output in the query's dtype.
+          output in the query's dtype. Attention sinks (gpt_oss) join here: a sink is
+          one more logit in the head's max and sum, so pass 1 is the same with or
+          without them.
 
 Pool layout (see PagePool): per layer, [kv_heads * P, page_size, D], row h * P + page.
 Rows may be ragged; tokens outside [start_b, length_b) are skipped. Query length 1.
@@ -119,11 +121,14 @@ def _kernel(name: str, shared_bytes: int = 0):
             )
         else:
             k = mx.fast.cuda_kernel(
-                name="pagedkv_decode_merge", input_names=["part_acc", "part_ml", "dims"],
+                name="pagedkv_decode_merge", input_names=["part_acc", "part_ml", "dims", "sinks"],
                 output_names=["out"], source=_CUDA["pass2"], header=_CUDA["header"],
             )
         _KERNELS[(name, shared_bytes)] = k
     return k
+
+
+_NO_SINKS = mx.zeros((1,), mx.float32)  # the merge's sinks input when a layer has none (unread)
 
 
 def scale_array(scale: float) -> mx.array:
@@ -174,14 +179,14 @@ def shared_pages(pages_per_split: int) -> int:
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
                  starts: mx.array, scale: float, *, num_pages: int, page_size: int,
                  splits: int | None = None, pipeline: Pipeline = DEFAULT_PIPELINE,
-                 poison: bool = False) -> mx.array:
+                 poison: bool = False, sinks: mx.array | None = None) -> mx.array:
     """Attention of ``q`` [B, Hq, 1, D] over paged K/V; returns [B, Hq, 1, D].
 
     ``k_pool``/``v_pool``: one layer's pool arrays [kv_heads * num_pages, page_size, D];
     ``table``: int32 [B, W] page ids; ``lengths``/``starts``: int32 [B] visible token range.
     ``splits`` (default: ``choose_splits``) cuts each row's pages into that many blocks.
     ``poison`` fills the outputs with NaN before the kernels run (tests: every element
-    must be written).
+    must be written). ``sinks``: [Hq] attention-sink logits, or None (see ``merge_splits``).
     """
     init = {"init_value": float("nan")} if poison else {}
     b, hq, lq, d = q.shape
@@ -213,21 +218,27 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
         output_shapes=[(b * hq * s * d,), (b * hq * s * 2,)], output_dtypes=[mx.float32, mx.float32],
         **init,
     )
-    return merge_splits(part_acc, part_ml, dims, q.dtype, q.shape, poison)
+    return merge_splits(part_acc, part_ml, dims, q.dtype, q.shape, poison, sinks)
 
 
 def merge_splits(part_acc: mx.array, part_ml: mx.array, dims: mx.array, dtype: mx.Dtype,
-                 shape: tuple[int, ...], poison: bool = False) -> mx.array:
+                 shape: tuple[int, ...], poison: bool = False, sinks: mx.array | None = None) -> mx.array:
     """Pass 2: merge ``dims[0]`` splits' partials of the query rows (row-major
     [rows, splits, D] accumulators and [rows, splits, 2] (max, sum), exp2 domain) into
-    the output of ``dtype`` and ``shape`` ([..., D], rows = the product of the rest; it
-    is the queries' shape, written flat, so no reshape follows). The prefill kernel
-    writes the same partials."""
+    the output of ``dtype`` and ``shape`` ([B, Hq, L, D], rows = B * Hq * L; it is the
+    queries' shape, written flat, so no reshape follows). The prefill kernel writes the
+    same partials. ``sinks``: [Hq] attention-sink logits (gpt_oss; as
+    ``mx.fast.scaled_dot_product_attention(..., sinks=)``: unscaled, one more softmax
+    column per head with a zero value), or None."""
     init = {"init_value": float("nan")} if poison else {}
     d = shape[-1]
     rows = math.prod(shape[:-1])
+    if sinks is None:
+        sink_args, sink_template = _NO_SINKS, [("SINKS", 0), ("HQ", 1), ("LQ", 1)]
+    else:
+        sink_args, sink_template = sinks.astype(mx.float32), [("SINKS", 1), ("HQ", shape[1]), ("LQ", shape[2])]
     (out,) = _kernel("merge")(
-        inputs=[part_acc, part_ml, dims], template=[("T", dtype), ("D", d)],
+        inputs=[part_acc, part_ml, dims, sink_args], template=[("T", dtype), ("D", d), *sink_template],
         grid=(rows * min(d, 128), 1, 1), threadgroup=(min(d, 128), 1, 1),
         output_shapes=[tuple(shape)], output_dtypes=[dtype], **init,
     )

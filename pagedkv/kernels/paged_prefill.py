@@ -108,7 +108,8 @@ def choose_splits(blocks: int, keys: int, sms: int = 132) -> int:
 def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
                   starts: mx.array, scale: float, *, num_pages: int, page_size: int,
                   window: int | None = None, splits: int | None = None,
-                  tiling: Tiling | None = None, poison: bool = False) -> mx.array:
+                  tiling: Tiling | None = None, poison: bool = False,
+                  sinks: mx.array | None = None) -> mx.array:
     """Causal attention of ``q`` [B, Hq, L, D] (each row's last L positions) over paged
     K/V; returns [B, Hq, L, D] in ``q``'s dtype.
 
@@ -117,6 +118,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     ``starts``: int32 [B] the visible key range in those columns; ``window``: a sliding
     window per query (None: none). ``splits`` (default ``choose_splits``) cuts each
     tile's keys; ``tiling`` (default ``choose_tiling``); ``poison`` fills the outputs with NaN first (tests: all are written).
+    ``sinks``: [Hq] attention-sink logits, or None (``paged_decode.merge_splits``).
     """
     b, hq, lq, d = q.shape
     hkv = k_pool.shape[0] // num_pages
@@ -140,4 +142,4 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
         output_shapes=[(b * hq * lq * s * d,), (b * hq * lq * s * 2,)],
         output_dtypes=[mx.float32, mx.float32], **init,
     )
-    return paged_decode.merge_splits(part_acc, part_ml, dims, q.dtype, q.shape, poison)
+    return paged_decode.merge_splits(part_acc, part_ml, dims, q.dtype, q.shape, poison, sinks)
