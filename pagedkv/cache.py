@@ -312,14 +312,16 @@ class PagedPromptCache(list):
             self.release()
 
 
-def layer_faces(rows: RowSet, kv_face) -> list:
+def layer_faces(rows: RowSet, kv_face, state_face=None) -> list:
     """The per-layer caches of ``rows`` in the model's cache order: ``kv_face(rows, i)``
-    for attention layer i, a ``PagedStateCache`` for each recurrent layer, grouped into
-    a ``PagedCacheList`` where the model bundles a layer's caches (``LayerLayout.groups``)."""
+    for attention layer i, ``state_face(rows, r)`` (default: a ``PagedStateCache``) for
+    recurrent layer r, grouped into a ``PagedCacheList`` where the model bundles a
+    layer's caches (``LayerLayout.groups``)."""
     from pagedkv.cache_list import PagedCacheList
     from pagedkv.state_cache import PagedStateCache
 
-    faces = [kv_face(rows, i) if kind == "kv" else PagedStateCache(rows, i) for kind, i in rows.layout.slot_kinds()]
+    state_face = state_face or PagedStateCache
+    faces = [kv_face(rows, i) if kind == "kv" else state_face(rows, i) for kind, i in rows.layout.slot_kinds()]
     if not rows.layout.groups:
         return faces
     out, i = [], 0

@@ -61,9 +61,13 @@ Contract: ``step(tokens)`` is ``model(tokens, cache=batch.caches)`` for one toke
 row, with the same bookkeeping (the rows, their pages and positions end up exactly
 where the eager step leaves them; the batch can continue either way) and the same
 logits up to float rounding. Bad tokens raise a typed error and change nothing; a step
-that cannot get its pages raises ``PoolExhausted`` with every row as it was. Not for
-hybrid (recurrent) models (``NotSupportedError``; a ``PagedBatch`` decodes those eagerly).
-KV-sharing models (gemma3n) are served: a sharer layer is handed its donor's cache slot,
+that cannot get its pages raises ``PoolExhausted`` with every row as it was.
+Hybrid models (recurrent layers beside attention: qwen3_next, nemotron_h, lfm2...) are
+served too: the state pool's arrays are compiled state as the page pools' are, each
+recurrent layer reads its rows' state slots and writes the new state, every component,
+into the slots ``RowSet.reserve_step`` reserved for the step (a row on a shared slot, a
+fork's or a prefix checkpoint's, moves to a fresh one, as in an eager step). The two
+int32 [B] slot arrays are copied to the device only when they change. KV-sharing models (gemma3n) are served: a sharer layer is handed its donor's cache slot,
 so its attention reads the pages the donor's write in the same trace filled.
 
 Sliding-window layers (gemma3's local layers) have a table kind of their own, whose
@@ -90,10 +94,10 @@ import numpy as np
 from pagedkv.attention import attend_parts
 from pagedkv.attention_routing import route_attention
 from pagedkv.batch import PagedBatch
+from pagedkv.cache import layer_faces
 from pagedkv.errors import (
     InvalidTypeError,
     KvShapeError,
-    NotSupportedError,
     PoolExhausted,
     ReleasedError,
     check_int,
@@ -120,6 +124,10 @@ class _StepLayer:
     @property
     def owner(self) -> CompiledDecode:
         return self._owner()
+
+    @property
+    def rows(self):
+        return self.owner.batch.rows
 
     @property
     def offset(self) -> mx.array:
@@ -178,6 +186,52 @@ class _StepLayer:
         return attend_parts(queries, *self._written(), scale, self.make_mask(1), pool.kind, sinks)
 
 
+class _StepState:
+    """One recurrent layer's cache inside the traced step (mlx-lm's ``ArraysCache``
+    protocol, as ``PagedStateCache``): a component reads the rows' slots of the state
+    pool (``CompiledDecode._inputs[3]``: the slots they read, the slots they write);
+    what the model assigns waits here until ``write_back`` writes every component of
+    the layer into the write slots, after the model's forward in the same trace. A
+    component the model did not assign is written as it was read (a row that moved to a
+    fresh slot takes its state along)."""
+
+    lengths = None  # no padded rows
+    left_padding = None
+
+    def __init__(self, owner: CompiledDecode, layer: int) -> None:
+        self._owner = weakref.ref(owner)
+        self.layer = layer
+        self.pool = owner.batch.rows.layout.state_pool
+        self._new: list = []
+
+    @property
+    def rows(self):
+        return self._owner().batch.rows
+
+    def __getitem__(self, component: int) -> mx.array:
+        if self._new and self._new[component] is not None:
+            return self._new[component]
+        return self.pool.step_read(self.layer, component, self._owner()._inputs[3][0])
+
+    def __setitem__(self, component: int, value: mx.array) -> None:
+        if not self._new:
+            self._new = [None] * len(self.pool.shapes[self.layer])
+        self.pool.check_state(self.layer, component, value, self._owner()._inputs[0].shape[0])
+        self._new[component] = value
+
+    def advance(self, n: int) -> None:
+        """(The host advanced every recurrent layer when it reserved the step.)"""
+
+    def make_mask(self, N: int) -> None:
+        return None
+
+    def write_back(self) -> None:
+        _, write = self._owner()._inputs[3]
+        values = [self[c] for c in range(len(self.pool.shapes[self.layer]))]
+        self._new = []
+        self.pool.step_write(self.layer, values, write)
+
+
 def _give_back(allocators: list, supply: list[np.ndarray]) -> None:
     """Free the lookahead pages in ``supply`` (per table kind, -1: none), last first."""
     for alloc, ids in zip(allocators, supply):
@@ -198,15 +252,18 @@ class CompiledDecode:
             raise InvalidTypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
         self.bucket = check_int("bucket", bucket, minimum=1)
         layout = batch.rows.layout
-        why = self.refusal(batch)
-        if why is not None:
-            raise NotSupportedError(why)
         route_attention(model)
         self.model, self.batch, self.lookahead = model, batch, lookahead
-        self._layers = [_StepLayer(self, i) for i in range(layout.num_layers)]
+        self._caches = layer_faces(batch.rows, lambda rows, i: _StepLayer(self, i), lambda rows, r: _StepState(self, r))
+        self._states = [c for face in self._caches for c in getattr(face, "caches", (face,)) if type(c) is _StepState]
         pools = list({id(spec.pool): spec.pool for spec in layout.specs}.values())
+        if layout.state_pool is not None:
+            pools.append(layout.state_pool)
         self._pools = pools
         self._state = [pool.compile_state() for pool in pools]
+        # a hybrid's state slots on the device, as (read, write) on the host and on the
+        # device, kept while the rows' slots stay (they change when a row moves)
+        self._slots: tuple = (None, None, ())
         self._inputs: tuple = ()
         specs = layout.specs
         # per spec: the padded page table of the last copy, kept so the next copy
@@ -232,14 +289,6 @@ class CompiledDecode:
         this = weakref.ref(self)
         self._compiled = mx.compile(lambda *args: this()._step(*args), inputs=self._state, outputs=self._state)
 
-    @staticmethod
-    def refusal(batch: PagedBatch) -> str | None:
-        """Why a compiled step cannot serve ``batch``'s layers (None: it can)."""
-        layout = batch.rows.layout
-        if layout.state_slots:
-            return "a compiled decode step serves attention layers only (no recurrent layers)"
-        return None
-
     @property
     def lookahead_pages(self) -> int:
         """Lookahead pages held now (in use in the pool's stats, in no row's table)."""
@@ -253,12 +302,16 @@ class CompiledDecode:
         self._device = None
         return n
 
-    def _step(self, tokens: mx.array, positions: mx.array, starts: mx.array, *tables: mx.array):
+    def _step(self, tokens: mx.array, positions: mx.array, starts: mx.array, *arrays: mx.array):
+        """``arrays``: each table kind's device table, then (hybrids) the state slots
+        the rows read and write."""
         self.traces += 1  # Python runs here only while tracing
+        specs = self.batch.rows.layout.specs
+        tables, state_slots = arrays[: len(specs)], arrays[len(specs) :]
         positions = positions + 1  # (the state of the previous step, advanced by this one)
         lengths = positions + 1
         per_spec = []
-        for spec, table in zip(self.batch.rows.layout.specs, tables):
+        for spec, table in zip(specs, tables):
             pool = spec.pool
             page = mx.take_along_axis(table, (positions // pool.page_size)[:, None], axis=1)  # [B, 1]
             rows = pool.device_rows(page)  # [B, kv_heads, 1]: the shape of the step's keys
@@ -266,11 +319,17 @@ class CompiledDecode:
             # a sliding window's first key (columns before it may list pages it dropped)
             first = starts if spec.window is None else mx.maximum(lengths - spec.window, 0)
             per_spec.append((rows, slots, table, lengths, first))
-        self._inputs = (positions, per_spec, {})  # (the last: each layer's gathered K/V parts of this trace)
+        # (the third: each layer's gathered K/V parts of this trace)
+        self._inputs = (positions, per_spec, {}, state_slots)
         try:
-            return self.model(tokens, cache=self._layers), positions
+            logits = self.model(tokens, cache=self._caches)
+            for state in self._states:
+                state.write_back()
+            return logits, positions
         finally:
             self._inputs = ()
+            for state in self._states:
+                state._new = []
 
     def __call__(self, tokens: mx.array) -> mx.array:
         """One decode step: ``tokens`` int [B] or [B, 1]; returns the model's logits
@@ -324,7 +383,7 @@ class CompiledDecode:
                 device = self._upload(rows, start, next_supply)
             else:
                 next_supply = None
-            logits, positions = self._compiled(tokens, device[0], device[1], *device[2])
+            logits, positions = self._compiled(tokens, device[0], device[1], *device[2], *self._state_slots(rows))
         except BaseException:
             for arrs, kept_arrays in arrays:
                 arrs[:] = kept_arrays
@@ -346,6 +405,21 @@ class CompiledDecode:
         self._device = (positions, device[1], device[2])
         self._expect = start + 1
         return logits
+
+    def _state_slots(self, rows) -> tuple:
+        """A hybrid's (read, write) state slots of the reserved step on the device, int32
+        [B] each: copied when they differ from the last step's (a row moved to a fresh
+        slot, or the rows changed), else the device copies kept. () without recurrent
+        layers."""
+        states = rows.states
+        if states is None:
+            return ()
+        read, write, device = self._slots
+        if read is None or not (np.array_equal(read, states.slots) and np.array_equal(write, states.targets)):
+            read, write = states.slots.copy(), states.targets.copy()
+            device = (mx.array(read.astype(np.int32)), mx.array(write.astype(np.int32)))
+            self._slots = (read, write, device)
+        return device
 
     def _taken(self, rows, spec: int, start: np.ndarray) -> list[int]:
         """The rows whose reserved step took their lookahead page of ``spec``: those

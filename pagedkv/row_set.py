@@ -386,7 +386,10 @@ class RowSet:
         ``count`` tokens. The step stays open until ``finish_reserved``; in between the
         caller queues the step's writes itself (a compiled step,
         :mod:`pagedkv.compiled_decode`). Returns the rows' positions before the step.
-        Needs every layer at the same positions, and no recurrent layers.
+        Needs every layer at the same positions. Recurrent layers (hybrid models): each
+        row's state slot for the step is reserved as in any step (a row on a shared slot
+        moves to a fresh one; ``states.targets`` lists them) and every recurrent layer is
+        advanced; the caller writes every component of their new state into those slots.
 
         ``supply``: per table kind, int64 [B] page ids the caller holds (or -1), which a
         row that needs one new page takes instead of an allocated one (``BatchAppend``'s
@@ -394,8 +397,6 @@ class RowSet:
         leaves it with the caller). Where a table kind's rows cannot append as one batch
         (a shared last page to copy first), its supply is not used."""
         self.check_alive()
-        if self.layout.state_slots:
-            raise NotSupportedError("a reserved step has no recurrent (state) layers")
         if self.num_rows == 0:
             raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
         start = self.offsets[0].copy()
@@ -408,6 +409,8 @@ class RowSet:
         try:
             self._open_step(start, count, growing=list(range(len(self._tables))), supply=supply,
                             vouched=True)  # (checked above)
+            if self.states is not None:
+                self.states.advance_written(count)
         except BaseException:
             self._abort_step()
             raise

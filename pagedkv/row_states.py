@@ -44,6 +44,7 @@ class RowStates:
         self._advanced: dict[int, np.ndarray] = {}  # layer -> its tokens before this step
         self._reads: dict[tuple[int, int], mx.array] = {}
         self._slots_mx: mx.array | None = None
+        self._written = False  # the open step's caller wrote every state (advance_written)
 
     @classmethod
     def fresh(cls, pool: StatePool, rows: int) -> RowStates:
@@ -104,6 +105,21 @@ class RowStates:
     def in_step(self) -> bool:
         return self._targets is not None
 
+    @property
+    def targets(self) -> np.ndarray | None:
+        """The open step's slot per row (None: no step): the row's slot, or the fresh
+        one it moves to. Read-only."""
+        return self._targets
+
+    def advance_written(self, count: int) -> None:
+        """Every layer advanced ``count`` tokens in the open step, and the caller writes
+        every component of every layer into ``targets`` itself (a compiled step,
+        :mod:`pagedkv.compiled_decode`): ``commit`` then moves the rows there without
+        writing or copying; ``discard`` undoes the step as any other."""
+        for layer in range(self.pool.num_layers):
+            self.advanced(layer, count)
+        self._written = True
+
     def waits_in_step(self, layer: int) -> bool:
         """A step is open and ``layer`` has not advanced in it yet."""
         return self._targets is not None and layer not in self._advanced
@@ -125,11 +141,11 @@ class RowStates:
         if targets is None:
             return
         moved = targets != self.slots
-        complete = len(self._advanced) == self.pool.num_layers and all(
+        complete = self._written or len(self._advanced) == self.pool.num_layers and all(
             all(v is not None for v in self._pending.get(r, [None])) for r in self._advanced)
         if moved.any() and not complete:  # the state no layer rewrote moves too
             self.pool.copy_slots(self.slots[moved], targets[moved])
-        if self._advanced:
+        if self._advanced and not self._written:
             index = mx.array(targets.astype(np.int32))
             for layer in self._advanced:
                 values = self._pending.get(layer)
@@ -160,6 +176,7 @@ class RowStates:
 
     def _forget_step(self) -> None:
         self._targets = None
+        self._written = False
         self._reserved = np.zeros(0, np.int64)
         self._advanced.clear()
         self._changed()

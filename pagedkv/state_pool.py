@@ -147,6 +147,31 @@ class StatePool:
             if value is not None:
                 arr[slots] = value
 
+    def settle_reads(self) -> None:
+        """Evaluate every layer's reads that are still pending, so that the writes that
+        follow can be in place (as ``PagePool.settle_reads``)."""
+        for layer in range(self.num_layers):
+            self._writes.settle(layer)
+
+    def compile_state(self) -> list[list[list[mx.array]]]:
+        """The pool's own arrays, ``[per layer: per component]`` in a one-item list (the
+        nesting of ``PagePool.compile_state``), for ``mx.compile(..., inputs=state,
+        outputs=state)``: a compiled step reads and writes them there (``step_read``,
+        ``step_write``) and MLX puts the written arrays back into these very lists.
+        Nothing else may hold them."""
+        return [self._arrays]
+
+    def step_read(self, layer: int, component: int, slots: mx.array) -> mx.array:
+        """``read`` inside a compiled step: untracked (the step settles every layer's
+        reads before it runs, and its reads are not arrays yet)."""
+        return mx.take(self._arrays[layer][component], slots, axis=0)
+
+    def step_write(self, layer: int, values: Sequence[mx.array], slots: mx.array) -> None:
+        """``write`` of every component inside a compiled step, without settling reads
+        first (``settle_reads`` ran before the step)."""
+        for arr, value in zip(self._arrays[layer], values):
+            arr[slots] = value
+
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy every component of slots ``src`` onto slots ``dst`` (distinct, held)."""
         if src.size == 0:

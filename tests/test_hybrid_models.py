@@ -322,15 +322,19 @@ def test_a_non_hybrid_prefix_cache_refuses_a_hybrid_model(model):
     no_leaks(pool, states)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("slots,pages", [(4, 40), (24, 60)], ids=["tight", "roomy"])
-def test_the_engine_serves_a_hybrid_with_prefix_hits_and_preemption(model, slots, pages):
+def test_the_engine_serves_a_hybrid_with_prefix_hits_and_preemption(model, slots, pages, compiled):
     """Four requests share a system prompt, then a fifth continues the first one's
     prompt. Tight: 3 usable state slots for 4 requests (a preemption). Roomy: every
     request after the first hits the system prompt's checkpoint, the fifth the first
-    prompt's end."""
+    prompt's end. Compiled: the decode steps run through ``CompiledDecode`` (rows leave
+    checkpoints as they decode, so they move to fresh slots inside compiled steps)."""
     pool, states = pools(model, pages=pages, slots=slots)
     engine = Engine(model, pool, decode=lambda ids: " ".join(map(str, ids)), state_pool=states,
-                    checkpoint_every=1, prefill_chunk=6, prefill_budget=12, max_batch=4)
+                    checkpoint_every=1, prefill_chunk=6, prefill_budget=12, max_batch=4,
+                    compiled_decode=compiled)
+    assert engine.compiled_decode is compiled
     system = tokens(50, 13)
     prompts = [system + tokens(60 + i, 3 + i) for i in range(4)] + [system + tokens(60, 3) + [7]]
     out: dict[str, list[int]] = {}

@@ -11,7 +11,7 @@ attention sinks go to pagedkv's attention with the pages), layers without RoPE (
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import LOGITS_ATOL, VOCAB, greedy, model_of_config, prompt_of
+from tiny_models import LOGITS_ATOL, VOCAB, greedy, make_model, model_of_config, prompt_of
 
 from pagedkv import (
     CompiledDecode,
@@ -217,6 +217,51 @@ def test_each_hybrid_family_decodes_on_pages_and_state_slots_as_on_mlx_lms_own_c
     assert tokens == ref_tokens
     assert all(mx.allclose(a, b, atol=LOGITS_ATOL).item() for a, b in zip(ref_logits, logits))
     assert pool.allocator.num_in_use() == 0 and states.allocator.num_in_use() == 0
+
+
+def state_in(states: StatePool, slot: int) -> list:
+    """Every component of every recurrent layer in ``slot`` (copies)."""
+    return [mx.array(a[slot]) for r in range(states.num_layers) for a in states.storage(r)]
+
+
+@pytest.mark.parametrize("family", sorted(HYBRIDS) + ["falcon_h1", "nemotron_h", "qwen3_next"])
+def test_each_hybrid_familys_compiled_decode_steps_give_the_eager_batchs_logits_and_states(family):
+    """``CompiledDecode`` over a hybrid model (the recurrent layers' state slots are
+    compiled state beside the pages): at every step the eager batch's logits, the same
+    slots per row and the same state in every slot. A row whose slot becomes a prefix
+    checkpoint moves to a fresh slot at its next step, compiled as eager, and the
+    checkpoint keeps the state it had."""
+    model = hybrid_model(family, HYBRIDS[family]) if family in HYBRIDS else make_model(family)
+
+    def batch():
+        pool, states = pools_for_model(model, max_bytes=1 << 22, page_size=4, state_slots=12)
+        rows = PagedBatch.for_model(model, pool, state_pool=states)
+        for seed, n in enumerate([5, 17, 30]):
+            cache = make_paged_cache(model, pool, state_pool=states)
+            model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)
+            rows.extend(cache)
+        return rows
+
+    eager, compiled = batch(), batch()
+    step = CompiledDecode(model, compiled, bucket=2)
+    tok = mx.array([[1], [2], [3]])
+    for i in range(8):
+        if i == 3:  # row 1's state becomes a checkpoint on both sides
+            kept = [b.rows.states.checkpoint(1) for b in (eager, compiled)]
+            saved = state_in(compiled.rows.states.pool, kept[1])
+        want, got = model(tok, cache=eager.caches), step(tok)
+        assert mx.allclose(want, got, atol=LOGITS_ATOL).item()
+        tok = mx.argmax(want[:, -1], axis=-1)[:, None]
+        assert eager.rows.states.slots.tolist() == compiled.rows.states.slots.tolist()
+        assert all(mx.allclose(a, b, atol=LOGITS_ATOL).item() for a, b in zip(
+            state_in(eager.rows.states.pool, slice(None)), state_in(compiled.rows.states.pool, slice(None))))
+    assert kept[0] == kept[1] is not None and kept[1] not in compiled.rows.states.slots.tolist()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(saved, state_in(compiled.rows.states.pool, kept[1])))
+    for b in (eager, compiled):
+        b.release()
+        b.rows.states.pool.allocator.check()
+    step.release_lookahead()
+    assert compiled.pool.allocator.num_in_use() == 0
 
 
 @pytest.mark.parametrize("family", sorted(UNCOUNTED))

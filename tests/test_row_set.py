@@ -122,9 +122,9 @@ def test_a_routed_step_gathers_each_layer_once_and_keeps_no_copy(monkeypatch):
         assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
 
 
-def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size):
+def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size, sinks=None):
     """What the CUDA kernel computes, from the same arguments: each row's pages in table
-    order, tokens [starts, lengths), attention of its one query."""
+    order, tokens [starts, lengths), attention of its one query (with ``sinks``)."""
     b, hq, _, d = q.shape
     hkv = k_pool.shape[0] // num_pages
     out = []
@@ -133,7 +133,7 @@ def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pa
         lo, hi = starts[row].item(), lengths[row].item()
         k = k_pool[rows].reshape(hkv, -1, d)[None, :, lo:hi]
         v = v_pool[rows].reshape(hkv, -1, d)[None, :, lo:hi]
-        out.append(mx.fast.scaled_dot_product_attention(q[row : row + 1], k, v, scale=scale))
+        out.append(mx.fast.scaled_dot_product_attention(q[row : row + 1], k, v, scale=scale, sinks=sinks))
     return mx.concatenate(out)
 
 

@@ -416,22 +416,13 @@ def test_a_request_that_fits_only_with_the_compiled_steps_lookahead_pages_is_adm
 
 
 def test_compiled_decode_is_the_default_with_cuda_refused_where_it_cannot_serve_and_rebuilt_by_fail_all(model):
-    from tiny_models import make_model as tiny
 
-    from pagedkv import NotSupportedError, StatePool
     from pagedkv.kernels import paged_decode
 
     with pytest.raises(InvalidTypeError):
         make_engine(model, compiled_decode="yes")
     assert make_engine(model).compiled_decode == paged_decode.available()  # the default: on with CUDA
     assert make_engine(model, compiled_decode=False).compiled_decode is False
-    hybrid = tiny("qwen3_next")
-    n_attn = sum(type(c).__name__ == "KVCache" for c in hybrid.make_cache())
-    pool = PagePool(num_layers=n_attn, num_kv_heads=2, head_dim=16, page_size=4, num_pages=32)
-    with pytest.raises(NotSupportedError):
-        Engine(hybrid, pool, decode=letters, state_pool=StatePool.for_model(hybrid, num_slots=4), compiled_decode=True)
-    default = Engine(hybrid, pool, decode=letters, state_pool=StatePool.for_model(hybrid, num_slots=4))
-    assert default.compiled_decode is False  # the default leaves what it cannot serve eager
     engine = make_engine(model, compiled_decode=True)
     sink = Sink()
     engine.add(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=6), sink))

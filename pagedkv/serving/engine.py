@@ -205,10 +205,9 @@ class Engine:
         are cut at those boundaries, and decoding rows leave a checkpoint as they cross one).
         ``compiled_decode``: run the decode step through ``CompiledDecode`` (the model
         traced once per batch size and page-table width, then replayed: 1.2-1.4x the
-        eager engine's tokens/s on an H200, bench/RESULTS.md). True: a model it cannot
-        serve (recurrent layers) raises
-        ``NotSupportedError`` here. None (default): on where it was measured faster,
-        MLX on a CUDA GPU, for the models it serves; eager otherwise. False: eager.
+        eager engine's tokens/s on an H200, bench/RESULTS.md; hybrid models included).
+        True: on. None (default): on where it was measured faster, MLX on a CUDA GPU;
+        eager otherwise. False: eager.
         ``overlap_decode``: build each decode step while the previous one runs (see the
         module doc); False reads every step's tokens before the next step is built."""
         self.model = model
@@ -339,7 +338,7 @@ class Engine:
         self.batch = PagedBatch(self._layout)
         asked = self._compile_asked
         if asked is None:
-            asked = paged_decode.available() and CompiledDecode.refusal(self.batch) is None
+            asked = paged_decode.available()
         self._compiled = CompiledDecode(self.model, self.batch) if asked else None
 
     # ------------------------------------------------------------------ the step
