@@ -67,8 +67,9 @@ served too: the state pool's arrays are compiled state as the page pools' are, e
 recurrent layer reads its rows' state slots and writes the new state, every component,
 into the slots ``RowSet.reserve_step`` reserved for the step (a row on a shared slot, a
 fork's or a prefix checkpoint's, moves to a fresh one, as in an eager step). The two
-int32 [B] slot arrays are copied to the device only when they change. KV-sharing models (gemma3n) are served: a sharer layer is handed its donor's cache slot,
-so its attention reads the pages the donor's write in the same trace filled.
+int32 [B] slot arrays are copied to the device only when they change.
+KV-sharing models (gemma3n) are served: a sharer layer is handed its donor's cache
+slot, so its attention reads the pages the donor's write in the same trace filled.
 
 Sliding-window layers (gemma3's local layers) have a table kind of their own, whose
 tables replace the pages that left the window by the null page. Their device tables
@@ -211,7 +212,7 @@ class _StepState:
     def __getitem__(self, component: int) -> mx.array:
         if self._new and self._new[component] is not None:
             return self._new[component]
-        return self.pool.step_read(self.layer, component, self._owner()._inputs[3][0])
+        return self.pool.read(self.layer, component, self._owner()._inputs[3][0], track=False)
 
     def __setitem__(self, component: int, value: mx.array) -> None:
         if not self._new:
@@ -228,7 +229,6 @@ class _StepState:
     def write_back(self) -> None:
         _, write = self._owner()._inputs[3]
         values = [self[c] for c in range(len(self.pool.shapes[self.layer]))]
-        self._new = []
         self.pool.step_write(self.layer, values, write)
 
 
@@ -254,8 +254,8 @@ class CompiledDecode:
         layout = batch.rows.layout
         route_attention(model)
         self.model, self.batch, self.lookahead = model, batch, lookahead
-        self._caches = layer_faces(batch.rows, lambda rows, i: _StepLayer(self, i), lambda rows, r: _StepState(self, r))
-        self._states = [c for face in self._caches for c in getattr(face, "caches", (face,)) if type(c) is _StepState]
+        self._states = [_StepState(self, r) for r in range(len(layout.state_slots))]
+        self._caches = layer_faces(batch.rows, lambda rows, i: _StepLayer(self, i), lambda rows, r: self._states[r])
         pools = list({id(spec.pool): spec.pool for spec in layout.specs}.values())
         if layout.state_pool is not None:
             pools.append(layout.state_pool)

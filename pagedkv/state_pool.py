@@ -135,14 +135,22 @@ class StatePool:
         if value.dtype != dtype:
             raise KvDTypeError(f"state {component} of recurrent layer {layer} must be {dtype}, got {value.dtype}")
 
-    def read(self, layer: int, component: int, slots: mx.array) -> mx.array:
-        """A new lazy [len(slots), *shape] array: the component in ``slots`` (int32)."""
-        return self._writes.track(layer, mx.take(self._arrays[layer][component], slots, axis=0))
+    def read(self, layer: int, component: int, slots: mx.array, track: bool = True) -> mx.array:
+        """A new lazy [len(slots), *shape] array: the component in ``slots`` (int32).
+        ``track=False`` inside a compiled step (which settles every layer's reads before
+        it runs, and whose reads are not arrays yet)."""
+        read = mx.take(self._arrays[layer][component], slots, axis=0)
+        return self._writes.track(layer, read) if track else read
 
     def write(self, layer: int, values: Sequence[mx.array | None], slots: mx.array) -> None:
         """Write ``values[c]`` ([len(slots), *shape], checked by the caller) into
         component c of ``slots`` (distinct, held); None leaves a component as it is."""
         self._writes.before_write(layer)
+        self.step_write(layer, values, slots)
+
+    def step_write(self, layer: int, values: Sequence[mx.array | None], slots: mx.array) -> None:
+        """``write`` without settling the layer's reads first: for a compiled step, which
+        settles them (``settle_reads``) before it runs."""
         for arr, value in zip(self._arrays[layer], values):
             if value is not None:
                 arr[slots] = value
@@ -156,21 +164,10 @@ class StatePool:
     def compile_state(self) -> list[list[list[mx.array]]]:
         """The pool's own arrays, ``[per layer: per component]`` in a one-item list (the
         nesting of ``PagePool.compile_state``), for ``mx.compile(..., inputs=state,
-        outputs=state)``: a compiled step reads and writes them there (``step_read``,
+        outputs=state)``: a compiled step reads and writes them there (``read`` untracked,
         ``step_write``) and MLX puts the written arrays back into these very lists.
         Nothing else may hold them."""
         return [self._arrays]
-
-    def step_read(self, layer: int, component: int, slots: mx.array) -> mx.array:
-        """``read`` inside a compiled step: untracked (the step settles every layer's
-        reads before it runs, and its reads are not arrays yet)."""
-        return mx.take(self._arrays[layer][component], slots, axis=0)
-
-    def step_write(self, layer: int, values: Sequence[mx.array], slots: mx.array) -> None:
-        """``write`` of every component inside a compiled step, without settling reads
-        first (``settle_reads`` ran before the step)."""
-        for arr, value in zip(self._arrays[layer], values):
-            arr[slots] = value
 
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy every component of slots ``src`` onto slots ``dst`` (distinct, held)."""

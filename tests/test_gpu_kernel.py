@@ -344,10 +344,10 @@ def test_gpt_oss_decode_steps_read_the_pages_through_the_kernel_with_their_atten
     compiled step over a batch) call the decode kernel, which applies the sinks, and
     give mlx-lm's logits (its own caches: rotating ones on the sliding layers)."""
     from mlx_lm.models.cache import make_prompt_cache
-    from test_model_families import BASE, FAMILIES
+    from test_model_families import BASE, FAMILIES, ragged_rows
     from tiny_models import model_of_config, prompt_of
 
-    from pagedkv import CompiledDecode, PagedBatch, make_paged_cache
+    from pagedkv import CompiledDecode, make_paged_cache
 
     model = model_of_config(dict(BASE, hidden_size=128, head_dim=64, model_type="gpt_oss", **FAMILIES["gpt_oss"]))
     for i, layer in enumerate(model.model.layers):  # sinks that take a large share of each softmax
@@ -367,15 +367,7 @@ def test_gpt_oss_decode_steps_read_the_pages_through_the_kernel_with_their_atten
             assert rel(got, want) < 2e-2
     assert len(calls) == len(steps) * 4 and all(s is not None for s in calls)
 
-    def batch():
-        rows = PagedBatch.for_model(model, pool)
-        for seed, n in enumerate([5, 17, 30]):
-            cache = make_paged_cache(model, pool)
-            model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)
-            rows.extend(cache)
-        return rows
-
-    eager, compiled = batch(), batch()
+    eager, compiled = ragged_rows(model, pool), ragged_rows(model, pool)
     step = CompiledDecode(model, compiled, bucket=2)
     calls.clear()
     tok = mx.array([[1], [2], [3]])

@@ -85,6 +85,16 @@ def pool_like(caches: list, num_pages: int = 128) -> PagePool:
                     v_head_dim=attention[0].values.shape[-1], page_size=4, num_pages=num_pages, dtype=mx.float32)
 
 
+def ragged_rows(model, pool: PagePool, state_pool: StatePool | None = None) -> PagedBatch:
+    """A batch of three prompts of 5, 17 and 30 tokens, each prefilled on its own."""
+    rows = PagedBatch.for_model(model, pool, state_pool=state_pool)
+    for seed, n in enumerate([5, 17, 30]):
+        cache = make_paged_cache(model, pool, state_pool=state_pool)
+        model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)
+        rows.extend(cache)
+    return rows
+
+
 def family_model(family: str, extra: dict):
     return model_of_config(dict(BASE, model_type=family, **extra))
 
@@ -156,16 +166,7 @@ def test_each_familys_compiled_decode_steps_give_the_eager_batchs_logits(family)
     ref_cache = make_prompt_cache(model)
     model(mx.array([[1, 2]]), cache=ref_cache)
 
-    def batch():
-        pool = pool_like(ref_cache)
-        rows = PagedBatch.for_model(model, pool)
-        for seed, n in enumerate([5, 17, 30]):
-            cache = make_paged_cache(model, pool)
-            model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)
-            rows.extend(cache)
-        return rows
-
-    eager, compiled = batch(), batch()
+    eager, compiled = ragged_rows(model, pool_like(ref_cache)), ragged_rows(model, pool_like(ref_cache))
     step = CompiledDecode(model, compiled, bucket=2)
     tok = mx.array([[1], [2], [3]])
     for _ in range(10):  # every row crosses pages; the sliding layers drop some
@@ -233,16 +234,8 @@ def test_each_hybrid_familys_compiled_decode_steps_give_the_eager_batchs_logits_
     checkpoint keeps the state it had."""
     model = hybrid_model(family, HYBRIDS[family]) if family in HYBRIDS else make_model(family)
 
-    def batch():
-        pool, states = pools_for_model(model, max_bytes=1 << 22, page_size=4, state_slots=12)
-        rows = PagedBatch.for_model(model, pool, state_pool=states)
-        for seed, n in enumerate([5, 17, 30]):
-            cache = make_paged_cache(model, pool, state_pool=states)
-            model(mx.array(prompt_of(n, seed=seed + 1))[None], cache=cache)
-            rows.extend(cache)
-        return rows
-
-    eager, compiled = batch(), batch()
+    eager, compiled = (ragged_rows(model, *pools_for_model(model, max_bytes=1 << 22, page_size=4, state_slots=12))
+                       for _ in range(2))
     step = CompiledDecode(model, compiled, bucket=2)
     tok = mx.array([[1], [2], [3]])
     for i in range(8):
