@@ -1,7 +1,8 @@
 """The serving ``Engine`` with and without ``compiled_decode`` and ``overlap_decode``,
 same requests, one run.
 
-    python3 bench/gpu_engine.py [--model 1b|8b|tiny|gemma3-1b|gemma3-tiny|gemma3n-e2b|gemma3n-tiny]
+    python3 bench/gpu_engine.py [--model 1b|8b|tiny|gemma3-1b|gemma3-tiny|gemma3n-e2b|gemma3n-tiny|
+                                         lfm2-1.2b|lfm2-tiny|granite4-micro|granite4-tiny]
                                 [--requests 32] [--prompt 512]
                                 [--new 128] [--rounds 2] [--dtype float16|bfloat16|float32]
 
@@ -30,6 +31,11 @@ gemma3_text class in Gemma 3 1B's shape (26 layers, 5 of each 6 with a sliding w
 window and the sliding layers drop pages as they decode. ``--model gemma3n-e2b`` (or
 ``gemma3n-tiny``) is mlx-lm's gemma3n class in Gemma 3n E2B's text shape (30 layers, 4 of
 each 5 sliding over 512; the last 10 layers read earlier layers' K/V; a 262k vocabulary).
+Hybrid models (recurrent layers beside attention; each engine gets a ``StatePool`` with a
+slot per request and a few spare): ``--model lfm2-1.2b`` is mlx-lm's lfm2 class in
+LFM2-1.2B's shape (16 layers, 10 short-convolution and 6 attention), ``granite4-micro``
+its granitemoehybrid class in a Granite-4.0-H-Micro-like shape (40 layers, 36 Mamba-2
+and 4 attention); ``lfm2-tiny`` and ``granite4-tiny`` are small ones.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from gpu_generate import PS, SHAPES, model_of, random_model  # noqa: E402
 
-from pagedkv import PagePool  # noqa: E402
+from pagedkv import PagePool, StatePool  # noqa: E402
 from pagedkv.model_config import text_config  # noqa: E402
 from pagedkv.serving import Engine, GenerationRequest, SamplingParams  # noqa: E402
 
@@ -70,6 +76,47 @@ GEMMA3N_SHAPES = {
                          num_kv_shared_layers=4, vocab_size_per_layer_input=32000, hidden_size_per_layer_input=16,
                          laurel_rank=16),
 }
+
+
+# hybrid shapes: mlx-lm model type and config
+HYBRID_SHAPES = {
+    "lfm2-1.2b": ("lfm2", dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                               vocab_size=65536, block_dim=2048, block_ff_dim=12288, block_multiple_of=256,
+                               block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=True,
+                               full_attn_idxs=[2, 5, 8, 10, 12, 14])),
+    "lfm2-tiny": ("lfm2", dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                               vocab_size=32000, block_dim=256, block_ff_dim=512, block_multiple_of=64,
+                               block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+                               full_attn_idxs=[2, 5])),
+    "granite4-micro": ("granitemoehybrid", dict(
+        hidden_size=2048, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, vocab_size=100352,
+        intermediate_size=8192, shared_intermediate_size=8192, mamba_n_heads=64, mamba_d_head=64,
+        mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=256,
+        layer_types=["attention" if i % 10 == 9 else "mamba" for i in range(40)])),
+    "granite4-tiny": ("granitemoehybrid", dict(
+        hidden_size=256, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, vocab_size=32000,
+        intermediate_size=512, shared_intermediate_size=512, mamba_n_heads=8, mamba_d_head=32, mamba_d_state=32,
+        mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=64,
+        layer_types=["attention" if i % 4 == 3 else "mamba" for i in range(8)])),
+}
+HYBRID_DEFAULTS = {
+    "lfm2": dict(max_position_embeddings=128000, norm_eps=1e-5, conv_bias=False, conv_L_cache=3),
+    "granitemoehybrid": dict(max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=False,
+                             embedding_multiplier=12.0, attention_multiplier=0.0078125, logits_scaling=8.0,
+                             residual_multiplier=0.22, num_local_experts=None, num_experts_per_tok=None,
+                             mamba_proj_bias=False, mamba_conv_bias=True, mlp_bias=False,
+                             position_embedding_type="rope", rope_theta=10000.0, time_step_limit=(0.0, float("inf")),
+                             tie_word_embeddings=True),
+}
+
+
+def hybrid_of(shape: str, dtype):
+    """mlx-lm's lfm2 or granitemoehybrid class with random weights in ``shape``."""
+    import importlib
+
+    kind, cfg = HYBRID_SHAPES[shape]
+    return random_model(importlib.import_module(f"mlx_lm.models.{kind}"),
+                        dict(model_type=kind, **HYBRID_DEFAULTS[kind], **cfg), dtype)
 
 
 def gemma3_of(shape: str, dtype):
@@ -101,11 +148,21 @@ def make_engine(model, prompts: list[list[int]], news: list[int], compiled: bool
     a = text_config(model)
     pages = sum(-(-(len(p) + n + 1) // PS) for p, n in zip(prompts, news)) + 2
     # one pool layer per cache slot (a KV-sharing model has fewer slots than layers)
-    pool = PagePool(num_layers=len(model.make_cache()), num_kv_heads=a["num_key_value_heads"],
-                    head_dim=a["head_dim"], page_size=PS, num_pages=pages, dtype=dtype)
-    return Engine(model, pool, decode=lambda ids: "", max_batch=len(prompts), prefix_caching=False,
+    from pagedkv.mlx_lm_caches import flat_caches
+
+    attn = [c for c in flat_caches(model.make_cache()) if type(c).__name__ != "ArraysCache"]
+    pool = PagePool(num_layers=len(attn), num_kv_heads=a["num_key_value_heads"],
+                    head_dim=a.get("head_dim") or a["hidden_size"] // a["num_attention_heads"], page_size=PS, num_pages=pages, dtype=dtype)
+    states = StatePool.for_model(model, num_slots=len(prompts) + 4) if is_hybrid(model) else None
+    return Engine(model, pool, decode=lambda ids: "", max_batch=len(prompts), prefix_caching=False, state_pool=states,
                   prefill_budget=sum(map(len, prompts)), prefill_chunk=max(map(len, prompts)),
                   compiled_decode=compiled, overlap_decode=overlap)
+
+
+def is_hybrid(model) -> bool:
+    from pagedkv.mlx_lm_caches import flat_caches
+
+    return any(type(c).__name__ == "ArraysCache" for c in flat_caches(model.make_cache()))
 
 
 def run_round(engine: Engine, prompts: list[list[int]], news: list[int], r: int) -> dict:
@@ -132,7 +189,8 @@ def run_round(engine: Engine, prompts: list[list[int]], news: list[int], r: int)
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", choices=sorted(SHAPES) + sorted(GEMMA3_SHAPES) + sorted(GEMMA3N_SHAPES), default="1b")
+    ap.add_argument("--model", choices=sorted(SHAPES) + sorted(GEMMA3_SHAPES) + sorted(GEMMA3N_SHAPES) + sorted(HYBRID_SHAPES),
+                    default="1b")
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=128)
@@ -141,7 +199,8 @@ def main() -> None:
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     build, kind = ((gemma3_of, "gemma3_text") if args.model in GEMMA3_SHAPES else
-                   (gemma3n_of, "gemma3n") if args.model in GEMMA3N_SHAPES else (model_of, "llama"))
+                   (gemma3n_of, "gemma3n") if args.model in GEMMA3N_SHAPES else
+                   (hybrid_of, HYBRID_SHAPES[args.model][0]) if args.model in HYBRID_SHAPES else (model_of, "llama"))
     model = build(args.model, dtype)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, text_config(model)["vocab_size"], args.prompt).tolist() for _ in range(args.requests)]

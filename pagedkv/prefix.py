@@ -502,21 +502,27 @@ class PrefixCache:
         by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
         plan = []  # per item: -1 - node to continue from, or the item that brings the content
         fresh: dict[tuple[int, bytes], int] = {}
+        refile: dict[tuple[int, bytes], int] = {}  # key -> own page to file under it
         new_pages = []
         for j, (page, key) in enumerate(zip(ids, next_keys)):
-            known = by_key.get(key)
+            known = by_key.get(key, refile.get(key))
             if known is not None:
                 plan.append(-1 - node_of[known])  # continue from the cached page
             elif key in fresh:
                 plan.append(fresh[key])  # the same content as an earlier item
             elif page in key_of:
-                plan.append(-1 - node_of[page])  # this page, under an older chain
+                refile[key] = page  # this page, under an older chain: filed under this one too
+                plan.append(-1 - node_of[page])
             else:
                 fresh[key] = j
                 plan.append(j)
                 new_pages.append(page)
         if new_pages:
             self._set_cacheable(new_pages)  # may refuse: nothing has changed yet
+        for key, page in refile.items():  # (see _register_general)
+            del by_key[key_of[page]]
+            by_key[key] = page
+            key_of[page] = key
         node = self._next_node
         made = [0] * len(plan)
         for j, (k, key, source) in enumerate(zip(keys, next_keys, plan)):
@@ -561,9 +567,11 @@ class PrefixCache:
         Walks the keys while they are known (another page with the same content is
         reused as the parent); from the first unknown key on, every key hangs below a
         node made in this call, so the rest are new: they get consecutive nodes and go
-        into the maps in one bulk update each. The new pages are marked cacheable (which
-        checks that they are held) before anything is inserted, so a refusal changes
-        nothing."""
+        into the maps in one bulk update each. A page of the sequence that is
+        registered already under an older chain (its content was filed below a page
+        with the same content that has since been evicted) sends the call to
+        ``_register_general``. The new pages are marked cacheable (which checks that
+        they are held) before anything is inserted, so a refusal changes nothing."""
         if not pages:
             return 0
         by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
@@ -575,10 +583,9 @@ class PrefixCache:
         while i < end:  # the known part: pages whose content is cached already
             known = by_key.get((parent, chunks[i]))
             if known is None:
-                known = pages[i - start]
-                if known not in key_of:
-                    break
-                # else: this very page, registered under an older chain
+                if pages[i - start] in key_of:
+                    return self._register_general(pages, start, keys)
+                break
             parent = node_of[known]
             walked.append(parent)
             i += 1
@@ -586,7 +593,7 @@ class PrefixCache:
         m = len(new)
         if m:
             if m > 1 and not key_of.keys().isdisjoint(new):  # (the walk checked new[0])
-                raise InvalidValueError("a page to register is already registered under another prefix")
+                return self._register_general(pages, start, keys)
             if as_array is not None:
                 as_array = as_array[i - start :]
             self._set_cacheable(new if as_array is None else as_array)  # may refuse: nothing has changed yet
@@ -616,6 +623,53 @@ class PrefixCache:
         del nodes[start:]
         nodes.extend(walked)
         return m
+
+    def _register_general(self, pages: list[int], start: int, keys: PrefixKeys) -> int:
+        """``_register`` page by page, for sequences some of whose pages are registered
+        already under an older chain. That happens when a sequence computed a page
+        whose content was cached (so its own copy was not registered), filed its next
+        pages below the cached one, and the cached one was then evicted: those next
+        pages hang below a node no lookup from the root reaches. Here such a page is
+        filed again below this sequence's chain (same content, same node, so its
+        children and checkpoints stay valid), which makes it reachable once more.
+
+        A plan first (per page: cached content to continue from, an own page to
+        re-file, or a new page); nothing changes until the allocator accepts the new
+        pages. O(len(pages))."""
+        by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
+        nodes, chunks = keys.nodes, keys.pages
+        parent = nodes[start - 1] if start else keys.root
+        node = self._next_node
+        walked, refile, new = [], [], []  # refile: (page, key); new: (page, key, node)
+        for i, page in enumerate(pages, start):
+            key = (parent, chunks[i])
+            known = by_key.get(key)
+            if known is not None:
+                parent = node_of[known]
+            elif page in key_of:
+                refile.append((page, key))
+                parent = node_of[page]
+            else:
+                new.append((page, key, node))
+                parent = node
+                node += 1
+            walked.append(parent)
+        if new:
+            self._set_cacheable([page for page, _, _ in new])  # may refuse: nothing has changed yet
+        for page, key in refile:
+            del by_key[key_of[page]]
+            by_key[key] = page
+            key_of[page] = key
+        for page, key, made in new:
+            if self.disk is not None:
+                self._file_digests(key[0], [key[1]], made)
+            by_key[key] = page
+            key_of[page] = key
+            node_of[page] = made
+        self._next_node = node
+        del nodes[start:]
+        nodes.extend(walked)
+        return len(new)
 
     def _file_digests(self, parent: int, chunks: list[bytes], node: int) -> None:
         """The disk tier's chain digests of new nodes ``node, node + 1, ...`` whose pages

@@ -355,3 +355,42 @@ def test_a_refused_one_page_register_pages_files_nothing():
     assert prefix.register_pages(np.array(held), keys) == 1  # numpy ids take the general path
     assert prefix.register_pages(held, prefix.keys(prompt_of(2 * PS + 1, seed=5))) == 0  # known content
     assert len(prefix.match(keys)) == 1
+
+
+@pytest.mark.parametrize("how", ["register_pages", "register_next"])
+def test_pages_filed_below_an_evicted_twin_are_filed_again_below_their_own_chain(how):
+    """Sequence b computed its first page although a had the same one cached, so b's own
+    first page was not filed and b's next pages hang below a's. Once a's page is evicted,
+    registering b again from fresh keys (a fork does this) files b's first page and moves
+    b's next pages below it, so all of b matches again; a refusal on the way changes
+    nothing."""
+    pool = make_pool("llama", page_size=PS, num_pages=16)  # 15 usable pages
+    prefix = PrefixCache(pool)
+    a = prompt_of(3 * PS + 1, seed=1)
+    b = a[:PS] + prompt_of(2 * PS + 1, seed=2)
+    a_pages = pool.allocator.allocate(3).tolist()
+    b_pages = pool.allocator.allocate(3).tolist()
+    assert prefix.register_pages(a_pages, prefix.keys(a)) == 3
+    assert prefix.register_pages(b_pages, prefix.keys(b)) == 2  # b's first page: a's content
+    pool.allocator.decref(a_pages[::-1])
+    pool.allocator.decref(pool.allocator.allocate(9 + 3))  # the 9 free pages, then a's 3 cached ones
+    assert prefix.match(a) == [] and prefix.match(b) == []  # b's pages are cached but unreachable
+
+    first = pool.allocator.allocate(1).tolist()  # a page nobody will hold: the register refuses
+    pool.allocator.decref(first)
+    before = (dict(prefix._by_key), dict(prefix._key_of_page), prefix.stats(), pool.allocator.stats())
+    with pytest.raises(ValueError):
+        prefix.register_pages(first + b_pages[1:], prefix.keys(b))
+    assert (dict(prefix._by_key), dict(prefix._key_of_page), prefix.stats(), pool.allocator.stats()) == before
+
+    keys = prefix.keys(b)
+    if how == "register_pages":
+        assert prefix.register_pages(b_pages, keys) == 1
+    else:
+        prefix.register_pages(b_pages[:1], keys)
+        assert prefix.register_next(np.array(b_pages[1:2]), [keys]) == 0  # (the general path)
+        assert prefix.register_next(b_pages[2:], [keys]) == 0
+    assert prefix.match(b) == b_pages
+    assert keys.nodes == [prefix._node_of_page[p] for p in b_pages]
+    pool.allocator.decref(b_pages)
+    pool.allocator.check()
