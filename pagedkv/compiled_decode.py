@@ -215,9 +215,9 @@ class _StepState:
         return self.pool.read(self.layer, component, self._owner()._inputs[3][0], track=False)
 
     def __setitem__(self, component: int, value: mx.array) -> None:
+        self.pool.check_state(self.layer, component, value, self._owner()._inputs[0].shape[0])
         if not self._new:
             self._new = [None] * len(self.pool.shapes[self.layer])
-        self.pool.check_state(self.layer, component, value, self._owner()._inputs[0].shape[0])
         self._new[component] = value
 
     def advance(self, n: int) -> None:

@@ -59,6 +59,17 @@ class InPlaceWrites:
             if alive:
                 mx.eval(alive)
 
+    def settle_all(self) -> None:
+        """``settle`` for every group, in one evaluation (before a step that writes them
+        all, such as a compiled decode step)."""
+        alive = []
+        for reads in self._reads:
+            if reads:
+                alive += [a for a in (r() for r in reads) if a is not None]
+                reads.clear()
+        if alive:
+            mx.eval(alive)
+
     def before_write(self, group: int) -> None:
         """Call right before scattering into ``group``'s arrays."""
         self.settle(group)

@@ -249,8 +249,7 @@ class PagePool:
     def settle_reads(self) -> None:
         """Evaluate every layer's reads that are still pending (see the module doc), so
         that the writes that follow can be in place."""
-        for layer in range(self.num_layers):
-            self._writes.settle(layer)
+        self._writes.settle_all()
 
     def compile_state(self) -> list[list[list[mx.array]]]:
         """The pool's own lists of layer arrays, ``[K lists, V lists]``, for

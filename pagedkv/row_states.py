@@ -28,7 +28,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.errors import KvShapeError
 from pagedkv.state_pool import StatePool
 
 
@@ -79,9 +78,6 @@ class RowStates:
 
     def set(self, layer: int, component: int, value: mx.array) -> None:
         """Hand in the new component (checked: ``KvShapeError``/``KvDTypeError``)."""
-        if not 0 <= component < len(self.pool.shapes[layer]):
-            raise KvShapeError(f"recurrent layer {layer} has {len(self.pool.shapes[layer])} state components, "
-                               f"not index {component}")
         self.pool.check_state(layer, component, value, self.num_rows)
         pending = self._pending.setdefault(layer, [None] * len(self.pool.shapes[layer]))
         pending[component] = value

@@ -123,8 +123,11 @@ class StatePool:
 
     # ------------------------------------------------------------------ read / write
     def check_state(self, layer: int, component: int, value: object, rows: int) -> None:
-        """``KvShapeError``/``KvDTypeError`` unless ``value`` is [rows, *shape] of the
-        component's dtype."""
+        """``KvShapeError``/``KvDTypeError`` unless ``component`` is one of the layer's
+        and ``value`` is [rows, *shape] of that component's dtype."""
+        if not isinstance(component, int) or not 0 <= component < len(self.shapes[layer]):
+            raise KvShapeError(f"recurrent layer {layer} has {len(self.shapes[layer])} state components, "
+                               f"not index {component!r}")
         shape, dtype = self.shapes[layer][component]
         if not isinstance(value, mx.array):
             raise KvShapeError(f"state {component} of recurrent layer {layer} must be an mx.array, "
@@ -158,8 +161,7 @@ class StatePool:
     def settle_reads(self) -> None:
         """Evaluate every layer's reads that are still pending, so that the writes that
         follow can be in place (as ``PagePool.settle_reads``)."""
-        for layer in range(self.num_layers):
-            self._writes.settle(layer)
+        self._writes.settle_all()
 
     def compile_state(self) -> list[list[list[mx.array]]]:
         """The pool's own arrays, ``[per layer: per component]`` in a one-item list (the

@@ -239,7 +239,7 @@ def test_a_step_without_a_free_slot_raises_and_changes_nothing(model):
     no_leaks(pool, states, cached_ok=False)
 
 
-@pytest.mark.parametrize("bad", ["shape", "dtype", "type"])
+@pytest.mark.parametrize("bad", ["shape", "dtype", "type", "component"])
 def test_a_bad_state_rolls_the_step_back(model, bad):
     pool, states = pools(model)
     cache = make_paged_cache(model, pool, state_pool=states)
@@ -247,9 +247,10 @@ def test_a_bad_state_rolls_the_step_back(model, bad):
     before = (state_of(pool, cache), state_pool_of(states))
     face = faces(cache, "PagedStateCache")[0]
     good = face[0]
-    value = {"shape": good[:, :1], "dtype": good.astype(mx.float16), "type": np.array(good)}[bad]
+    value = {"shape": good[:, :1], "dtype": good.astype(mx.float16), "type": np.array(good), "component": good}[bad]
+    index = len(states.shapes[face.layer]) if bad == "component" else 0  # one past the layer's components
     with pytest.raises((KvShapeError, KvDTypeError)):
-        face[0] = value
+        face[index] = value
     assert (state_of(pool, cache), state_pool_of(states)) == before
     got, _ = greedy(model, cache, [6], 3)  # and it goes on exactly
     assert got == reference(model, [1, 2, 3, 4, 5, 6], 3)[0]
