@@ -25,6 +25,7 @@ class FreeListAllocator(RefCountingAllocator):
         self._free = array("q", ids[::-1].astype(np.int64).tobytes())
         self._take_free = self._free.pop
         self._give_free = self._free.append
+        self._give_free_list = self._free.extend
 
     def _pop_free(self, n: int) -> np.ndarray:
         stack = self._free

@@ -108,8 +108,9 @@ class RefCountingAllocator:
     """Reference-counted page allocator over ``range(num_pages)``; see the module doc.
 
     Subclasses keep the FREE pages: ``_init_free`` sets ``self._free`` (any container with
-    ``len``), ``_take_free`` (a callable returning the next free id) and ``_give_free``
-    (a callable taking one freed id), and they implement the batched ``_pop_free``,
+    ``len``), ``_take_free`` (a callable returning the next free id), ``_give_free``
+    (a callable taking one freed id) and ``_give_free_list`` (the same for a list of ids,
+    in order), and they implement the batched ``_pop_free``,
     ``_push_free`` and ``_free_ids``. ``evict_listeners`` is a list of callables, each
     called with the ids of CACHED pages just evicted to FREE, so owners of page keys (a
     prefix cache, a disk tier) can forget them; ``on_evict`` (optional) starts the list.
@@ -118,6 +119,7 @@ class RefCountingAllocator:
     _free: Sequence[int]
     _take_free: Callable[[], int]
     _give_free: Callable[[int], None]
+    _give_free_list: Callable[[list[int]], None]
 
     def __init__(
         self,
@@ -552,7 +554,9 @@ class RefCountingAllocator:
                 rc[page] += 1
             return False
         if zero:
-            if len(zero) > 1 and len(set(ids)) != len(ids):  # a repeat: list order is first sight, as on the array path
+            # a repeat: list order is first sight, as on the array path (when every listed id
+            # reached zero, none was listed twice: a page reaches zero once per call)
+            if 1 < len(zero) < len(ids) and len(set(ids)) != len(ids):
                 zero.sort(key=ids.index)
             self._zeroed += len(zero)
             if self._caching:  # decref_page's transition, page by page
@@ -571,9 +575,7 @@ class RefCountingAllocator:
                 if len(log) > self._log_limit:
                     self._compact_log()
             else:
-                give = self._give_free
-                for page in zero:
-                    give(page)
+                self._give_free_list(zero)
         return True
 
     def _touch_few(self, ids: list) -> bool:

@@ -26,6 +26,7 @@ class SortedAllocator(RefCountingAllocator):
         self._free = SortedList(ids.tolist())
         self._take_free = functools.partial(self._free.pop, 0)
         self._give_free = self._free.add
+        self._give_free_list = self._free.update
 
     def _pop_free(self, n: int) -> np.ndarray:
         out = np.asarray(self._free[:n], dtype=np.int64)
