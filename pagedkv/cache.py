@@ -146,7 +146,7 @@ class PagedKVCache(LayerFace):
             layer = check_int("layer", layer, minimum=0, maximum=table.pool.num_layers - 1)
             if table.released:
                 raise ReleasedError("cannot build a cache on a released page table")
-            rows = RowSet(LayerLayout.uniform(table.pool, [layer], table.window), [[table]])
+            rows = RowSet(LayerLayout.uniform(table.pool, [layer], table.window, table.rewind), [[table]])
             layer = 0
         else:
             raise InvalidTypeError(f"table must be a PageTable, got {type(table).__name__}")
@@ -388,13 +388,18 @@ def _latent_attention_module(model) -> str:
 
 
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
-               max_kv_size: int | None = None, state_pool: StatePool | None = None) -> LayerLayout:
+               max_kv_size: int | None = None, state_pool: StatePool | None = None,
+               rewind: int = 0) -> LayerLayout:
     """The layer layout of ``model``'s caches: full-attention layers share one table spec
     in ``pool``; each sliding-window size gets its own (in ``sliding_pool`` if given,
     whose layers are numbered in order of the sliding layers; the full layers then take
     ``pool``'s layers in order). Without ``sliding_pool``, attention layer i (the i-th
     cache slot that is not recurrent) uses layer i. A hybrid model's recurrent layers
-    keep their state in ``state_pool`` (``StatePool.for_model(model, ...)``)."""
+    keep their state in ``state_pool`` (``StatePool.for_model(model, ...)``).
+    ``rewind``: tokens the sliding-window tables keep behind their window, so that a
+    sequence can always be trimmed back that far (``PageTable``); a draft model that
+    proposes k tokens one step at a time needs k - 1."""
+    rewind = check_int("rewind", rewind, minimum=0)
     if not isinstance(pool, PagePool) or (sliding_pool is not None and not isinstance(sliding_pool, PagePool)):
         raise InvalidTypeError("pool and sliding_pool must be PagePools")
     if state_pool is not None and not isinstance(state_pool, StatePool):
@@ -422,7 +427,7 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
             n_full += 1
         else:
             target = sliding_pool if sliding_pool is not None else pool
-            spec, layer = TableSpec(target, w), (n_sliding if sliding_pool is not None else i)
+            spec, layer = TableSpec(target, w, rewind), (n_sliding if sliding_pool is not None else i)
             n_sliding += 1
         if spec not in specs:
             specs.append(spec)
@@ -437,14 +442,18 @@ def make_paged_cache(
     sliding_pool: PagePool | None = None,
     max_kv_size: int | None = None,
     state_pool: StatePool | None = None,
+    rewind: int = 0,
 ) -> PagedPromptCache:
     """The paged twin of ``mlx_lm.models.cache.make_prompt_cache`` for one sequence
-    (layout: ``layout_for``; a hybrid model's recurrent layers need ``state_pool``).
+    (layout: ``layout_for``; a hybrid model's recurrent layers need ``state_pool``;
+    ``rewind``: tokens a sliding-window layer keeps behind its window, for trims that
+    go back across steps).
     Also routes the model's attention through the caches (``route_attention``), so
     decode steps read the pages directly."""
     from pagedkv.attention_routing import route_attention
 
     cache = PagedPromptCache.of_rows(RowSet.new_row(layout_for(model, pool, sliding_pool=sliding_pool,
-                                                              max_kv_size=max_kv_size, state_pool=state_pool)))
+                                                              max_kv_size=max_kv_size, state_pool=state_pool,
+                                                              rewind=rewind)))
     route_attention(model)
     return cache

@@ -83,10 +83,12 @@ _SHARED_KINDS = ("view", "plain", "quant")
 
 @attrs.frozen
 class TableSpec:
-    """One page table per row lives in ``pool``; ``window`` None means full attention."""
+    """One page table per row lives in ``pool``; ``window`` None means full attention;
+    ``rewind``: tokens a windowed table keeps behind its window (``PageTable``)."""
 
     pool: PagePool = attrs.field(eq=id)  # the same pool, not an equal one
     window: int | None
+    rewind: int = 0
 
 
 @attrs.frozen
@@ -119,9 +121,10 @@ class LayerLayout:
                 raise InvalidValueError(f"pool has {pool.num_layers} layers; the model needs more")
 
     @classmethod
-    def uniform(cls, pool: PagePool, layers: Sequence[int], window: int | None = None) -> LayerLayout:
+    def uniform(cls, pool: PagePool, layers: Sequence[int], window: int | None = None,
+                rewind: int = 0) -> LayerLayout:
         """Every slot in one table spec: slot i uses layer ``layers[i]`` of ``pool``."""
-        return cls((TableSpec(pool, window),), tuple((0, int(x)) for x in layers))
+        return cls((TableSpec(pool, window, rewind),), tuple((0, int(x)) for x in layers))
 
     @property
     def num_layers(self) -> int:
@@ -193,7 +196,7 @@ class RowSet:
     @classmethod
     def new_row(cls, layout: LayerLayout) -> RowSet:
         """One row of fresh, empty tables."""
-        return cls(layout, [[PageTable(s.pool, window=s.window) for s in layout.specs]])
+        return cls(layout, [[PageTable(s.pool, window=s.window, rewind=s.rewind) for s in layout.specs]])
 
     # ------------------------------------------------------------------ queries
     @property
@@ -804,6 +807,6 @@ def _claim(table: PageTable, spec: TableSpec) -> None:
         raise ReleasedError("cannot build a cache on a released page table")
     if table.claimed:
         raise InvalidValueError("this page table already belongs to a cache")
-    if table.pool is not spec.pool or table.window != spec.window:
-        raise InvalidValueError("the table's pool or window differs from its layer's")
+    if table.pool is not spec.pool or table.window != spec.window or table.rewind != spec.rewind:
+        raise InvalidValueError("the table's pool, window or rewind differs from its layer's")
     table.claimed = True

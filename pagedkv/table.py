@@ -7,7 +7,12 @@ Layout, for page_size 4 and 10 tokens::
 
 With a sliding ``window`` W, pages whose tokens can no longer be seen by any future
 query (every token < num_tokens - W + 1) are released and replaced by the allocator's
-null page, so a sequence holds at most ceil(W / page_size) + 1 pages.
+null page, so a sequence holds at most ceil(W / page_size) + 1 pages. ``rewind`` R > 0
+keeps R more tokens behind the window (pages go once every token < num_tokens - W - R
++ 1): a sequence can then always be trimmed back by R tokens, however many steps wrote
+them (a draft model decoding token by token, then dropping its rejected drafts), for
+ceil(R / page_size) more pages at most. Without it, a trim may only go back to the
+start of the last step that dropped pages.
 
 Ownership: the table holds exactly one allocator reference per listed page (the null
 page is not counted). ``trim`` and ``release`` give them back; ``fork`` takes one more
@@ -91,15 +96,17 @@ class PageTable:
     # slots: a decode step reads and writes a few attributes of every row's table, right
     # after the GPU work has evicted them from the CPU caches (there, reserving a step
     # took 2.7x its time in a loop of its own); no per-object dict means fewer memory lines
-    __slots__ = ("pool", "window", "_pages", "_n", "_dropped", "version", "num_tokens", "_released", "claimed")
+    __slots__ = ("pool", "window", "rewind", "_retain", "_pages", "_n", "_dropped", "version", "num_tokens", "_released", "claimed")
 
-    def __init__(self, pool: PagePool, window: int | None = None) -> None:
+    def __init__(self, pool: PagePool, window: int | None = None, rewind: int = 0) -> None:
         if not isinstance(pool, PagePool):
             raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
         if window is not None:
             window = check_int("window", window, minimum=1)
         self.pool = pool
         self.window = window
+        self.rewind = check_int("rewind", rewind, minimum=0)  # (no effect without a window)
+        self._retain = None if window is None else window + self.rewind  # tokens kept behind a query
         self._pages = np.empty(16, dtype=np.int64)
         self._n = 0  # pages listed
         self._dropped = 0  # leading pages replaced by the null page (sliding window)
@@ -270,8 +277,9 @@ class PageTable:
         returns their ids (the caller gives their references back)."""
         if self.window is None:
             return _NO_PAGES
-        # pages before the one holding the earliest key a query from ``first_query`` on sees
-        droppable = window_start(first_query, self.window) // self.pool.page_size
+        # pages before the one holding the earliest key a query from ``first_query`` on
+        # sees (or ``rewind`` tokens before it)
+        droppable = window_start(first_query, self._retain) // self.pool.page_size
         if droppable <= self._dropped:
             return _NO_PAGES
         gone = self._pages[self._dropped : droppable].copy()
@@ -329,7 +337,7 @@ class PageTable:
         self._check_alive()
         held = self._pages[self._dropped : self._n]
         self.pool.allocator.incref(held)
-        other = PageTable(self.pool, self.window)
+        other = PageTable(self.pool, self.window, self.rewind)
         other._append(self._pages[: self._n].copy())
         other._dropped = self._dropped
         other.num_tokens = self.num_tokens
@@ -365,7 +373,8 @@ class PageTable:
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"tokens={self.num_tokens}, pages={self.num_pages}"
-        return f"PageTable({state}, window={self.window})"
+        rewind = f", rewind={self.rewind}" if self.rewind else ""
+        return f"PageTable({state}, window={self.window}{rewind})"
 
 
 class BatchAppend:
@@ -413,12 +422,12 @@ class BatchAppend:
         """``tokens``: the tables' ``num_tokens`` as int64 [B], where the caller has them;
         ``supply``: pages the caller holds for the tables (see the class doc);
         ``vouched``: the caller has made sure the tables are live, of one pool and of one
-        window (a ``RowSet`` for one spec), so they are not checked again."""
+        window and rewind (a ``RowSet`` for one spec), so they are not checked again."""
         if not tables:
             return None
-        pool, window = tables[0].pool, tables[0].window
+        pool, retain = tables[0].pool, tables[0]._retain
         ps, b = pool.page_size, len(tables)
-        if not vouched and any(t._released or t.pool is not pool or t.window != window for t in tables):
+        if not vouched and any(t._released or t.pool is not pool or t._retain != retain for t in tables):
             return None
         if tokens is None:
             tokens = np.fromiter((t.num_tokens for t in tables), np.int64, b)
@@ -466,7 +475,7 @@ class BatchAppend:
         window = self.tables[0].window
         if window is not None:
             # as _drop_outside_window, for every row at once: which rows drop pages now
-            droppable = window_start(self._tokens, window) // self.pool.page_size
+            droppable = window_start(self._tokens, self.tables[0]._retain) // self.pool.page_size
             for i in np.flatnonzero(droppable > np.fromiter((t._dropped for t in self.tables), np.int64,
                                                           len(self.tables))).tolist():
                 t = self.tables[i]

@@ -11,7 +11,15 @@ attention sinks go to pagedkv's attention with the pages), layers without RoPE (
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import LOGITS_ATOL, VOCAB, greedy, make_model, model_of_config, prompt_of
+from tiny_models import (
+    LOGITS_ATOL,
+    VOCAB,
+    greedy,
+    make_model,
+    make_pool,
+    model_of_config,
+    prompt_of,
+)
 
 from pagedkv import (
     CompiledDecode,
@@ -341,3 +349,48 @@ def test_a_trim_that_a_sliding_layer_refuses_changes_no_layer_even_when_a_full_l
         for token in seq[35:] + [5, 6]:
             want = model(mx.array([[token]]), cache=ref_cache)[0, -1]
             assert mx.allclose(model(mx.array([[token]]), cache=cache)[0, -1], want, atol=LOGITS_ATOL).item()
+
+
+@pytest.mark.parametrize("rewind", [0, 3])
+def test_a_sliding_window_cache_with_rewind_drops_drafts_made_over_several_steps(rewind):
+    """A draft model proposes 4 tokens one decode step at a time, then drops the 3 the
+    target rejected. Its sliding layers (window 12, pages of 4) drop pages as they step;
+    with ``rewind=3`` they keep 3 tokens more, so every such trim succeeds and the next
+    logits are mlx-lm's (full ``KVCache``s, windowed by the mask, trimmed the same way);
+    without it some trim is refused (and changes nothing), and the draft model could not
+    go on."""
+    from mlx_lm.models.cache import KVCache, trim_prompt_cache
+
+    from pagedkv import TrimError
+
+    model = make_model("gemma3_text")
+    pool = make_pool("gemma3_text", page_size=4, num_pages=64)
+    for bad, error in ((-1, ValueError), (1.5, TypeError)):
+        with pytest.raises(error):
+            make_paged_cache(model, pool, rewind=bad)
+    ref = [KVCache() for _ in model.layers]
+    refused = 0
+    with make_paged_cache(model, pool, rewind=rewind) as cache:
+        tokens = prompt_of(14)
+        for c in (ref, cache):
+            model(mx.array(tokens)[None], cache=c)
+        for round_ in range(10):
+            for step in range(4):
+                token = [(7 * round_ + step) % VOCAB]
+                want = model(mx.array([token]), cache=ref)[0, -1]
+                got = model(mx.array([token]), cache=cache)[0, -1]
+                assert mx.allclose(got, want, atol=LOGITS_ATOL).item()
+            before = (cache.rows.offsets.copy(), pool.allocator.stats())
+            try:
+                assert trim_prompt_cache(cache, 3) == 3
+            except TrimError:
+                refused += 1
+                assert (cache.rows.offsets == before[0]).all() and pool.allocator.stats() == before[1]
+                trim_prompt_cache(ref, 0)
+                continue
+            trim_prompt_cache(ref, 3)
+        assert (cache.rows.offsets == ref[0].offset).all()
+        held = max(t.num_pages for t in cache.tables if t.window)  # the sliding tables
+    assert (refused == 0) if rewind else (refused > 0)
+    assert held <= -(-(12 + rewind) // 4) + 1
+    pool.allocator.check()
