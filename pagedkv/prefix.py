@@ -25,6 +25,15 @@ forwards cut at the boundaries (``aligned_take``; ``generation.prefill`` and the
 serving engine do) and register after each. Checkpoint slots are cacheable slots of
 the state pool's own allocator, evicted least recently used first like pages.
 
+Sliding-window models (``windows``: the window sizes of the model's sliding layers).
+Their sliding layers keep their own page tables, which let pages go as they leave the
+window. Registering such a sequence also files the full pages its sliding tables still
+hold, under the same nodes (one map per window size); they become CACHED like the
+others when the window lets them go. A hit must then end where every window's last
+pages are cached too (those a query at the hit's end sees); the sliding tables of the
+new sequence start from those pages, the earlier ones listed as dropped. Layouts need
+one full-attention table (models whose layers all slide are refused), all in ``pool``.
+
 Ownership: the prefix cache owns the key → page map and no references; pages are kept
 alive by the tables that hold them, or by the allocator's CACHED state.
 
@@ -82,11 +91,19 @@ class PrefixStats:
 
 class PrefixCache:
     def __init__(self, pool: PagePool, *, extra_keys: bytes | str = b"", disk: DiskTier | None = None,
-                 state_pool: StatePool | None = None, checkpoint_every: int = 1) -> None:
+                 state_pool: StatePool | None = None, checkpoint_every: int = 1,
+                 windows: Sequence[int] = ()) -> None:
         """``disk``: a ``DiskTier`` for ``pool`` that keeps evicted pages (module doc of
         :mod:`pagedkv.disk_tier`); ``new_cache`` then continues a RAM hit from it.
         ``state_pool``: a hybrid model's recurrent-state pool; a checkpoint is kept
-        every ``checkpoint_every`` pages (module doc)."""
+        every ``checkpoint_every`` pages (module doc). ``windows``: the sliding-window
+        sizes of the models it serves (``LayerLayout.windows``; module doc)."""
+        if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
+            raise InvalidTypeError(f"windows must be a sequence of ints, got {type(windows).__name__}")
+        self.windows = tuple(sorted({check_int("window", w, minimum=1) for w in windows}))
+        if self.windows and (state_pool is not None or disk is not None):
+            raise NotSupportedError("prefix caching with sliding windows serves models without recurrent "
+                                    "layers, and without a disk tier")
         if disk is not None and (not isinstance(disk, DiskTier) or disk.pool is not pool):
             raise InvalidValueError("disk must be a DiskTier of the same pool")
         if state_pool is not None and not isinstance(state_pool, StatePool):
@@ -112,6 +129,8 @@ class PrefixCache:
         self._node_np = np.frombuffer(self._node_of_page, dtype=np.int64)
         self._roots: dict[bytes, int] = {}
         self._next_node = 1
+        self._window_page: dict[tuple[int, int], int] = {}  # (window, node) -> that window's page there
+        self._window_key_of: dict[int, tuple[int, int]] = {}  # registered window page -> its key
         pool.allocator.evict_listeners.append(self._forget)
         self._set_cacheable = pool.allocator.set_cacheable
         self._set_cacheable_page = getattr(pool.allocator, "set_cacheable_page", None) or self._one_cacheable
@@ -157,11 +176,17 @@ class PrefixCache:
                 del by_key[key]
             self._evictions += len(ids)
             return
+        window_key_of = self._window_key_of
         for page in ids:
             key = key_of.pop(page, None)
             if key is not None:  # (pages another prefix cache registered have none here)
                 del by_key[key]
                 self._evictions += 1
+            elif window_key_of:
+                key = window_key_of.pop(page, None)
+                if key is not None:
+                    del self._window_page[key]
+                    self._evictions += 1
 
     def _forget_checkpoints(self, slots: list[int]) -> None:
         """Evict listener of the state pool: drop the checkpoints of evicted slots."""
@@ -283,8 +308,50 @@ class PrefixCache:
             while nodes and nodes[-1] not in checkpoint:
                 nodes.pop()
             del pages[len(nodes) :]
+        if self.windows and nodes:  # and where every window's last pages are kept
+            del nodes[self._window_hit(nodes) :]
+            del pages[len(nodes) :]
         keys.nodes = nodes
         return pages
+
+    def _first_in_window(self, num_pages: int, window: int) -> int:
+        """Index of the first page a query after ``num_pages`` full pages sees."""
+        ps = self.pool.page_size
+        return max(0, num_pages * ps - window + 1) // ps
+
+    def _window_hit(self, nodes: list[int]) -> int:
+        """The most pages of the chain ``nodes`` after which every window finds the
+        pages its next query sees. A page missing at index i rules out every end after
+        it, so the search goes on from i: O(pages checked)."""
+        have = self._window_page
+        m = len(nodes)
+        while m:
+            for window in self.windows:
+                missing = next((i for i in range(m - 1, self._first_in_window(m, window) - 1, -1)
+                                if (window, nodes[i]) not in have), None)
+                if missing is not None:
+                    m = missing
+                    break
+            else:
+                return m
+        return 0
+
+    def _window_pages(self, nodes: list[int], layout) -> dict[int, list[int]]:
+        """For each sliding spec of ``layout``, its pages at the end of ``nodes``."""
+        have, m = self._window_page, len(nodes)
+        return {s: [have[(spec.window, node)] for node in nodes[self._first_in_window(m, spec.window) :]]
+                for s, spec in enumerate(layout.specs) if spec.window is not None}
+
+    def _check_layout(self, layout) -> None:
+        """``NotSupportedError`` unless this cache serves ``layout``'s tables."""
+        specs = layout.specs
+        if sum(spec.window is None for spec in specs) != 1 or any(spec.pool is not self.pool for spec in specs):
+            raise NotSupportedError("prefix caching serves models with one full-attention table in the prefix "
+                                    "cache's pool (and sliding-window tables there too)")
+        missing = {spec.window for spec in specs if spec.window is not None} - set(self.windows)
+        if missing:
+            raise NotSupportedError(f"the model has sliding windows {sorted(missing)} that this prefix cache was "
+                                    f"not made for: PrefixCache(pool, windows=...)")
 
     def new_cache(self, model, tokens: TokensOrKeys) -> tuple[PagedPromptCache, list[int]]:
         """A one-sequence cache already holding the longest cached prefix of ``tokens``.
@@ -296,16 +363,20 @@ class PrefixCache:
             raise InvalidValueError("a request needs at least one token")
         pages = self.match(keys)
         cache = make_paged_cache(model, self.pool, state_pool=self.state_pool)
-        if len(cache.tables) != 1 or cache.tables[0].window is not None:
+        try:
+            self._check_layout(cache.rows.layout)
+        except NotSupportedError:
             cache.release()
-            raise NotSupportedError("prefix caching serves full-attention models")
+            raise
         if (cache.rows.states is None) != (self.state_pool is None):
             cache.release()
             raise InvalidValueError("a prefix cache with a state_pool serves hybrid models, and only those")
         self._queries += 1
         self._query_tokens += keys.num_tokens
+        window_pages = self._window_pages(keys.nodes, cache.rows.layout) if self.windows else None
         if pages:
-            self.pool.allocator.touch(pages)  # one reference each; revives CACHED pages
+            held = pages + [p for run in window_pages.values() for p in run] if window_pages else pages
+            self.pool.allocator.touch(held)  # one reference each; revives CACHED pages
         if self.disk is not None:
             try:
                 pages = pages + self._restore(keys, len(pages))  # (already held once each)
@@ -319,7 +390,7 @@ class PrefixCache:
             if self.state_pool is not None:
                 slot = self._checkpoint[self._node_of_page[pages[-1]]]
                 self.state_pool.allocator.touch([slot])  # the row's reference; revives a CACHED slot
-            cache.rows.adopt_prefix(pages, state_slot=slot)
+            cache.rows.adopt_prefix(pages, state_slot=slot, window_pages=window_pages)
             self._hit_pages += len(pages)
             self._hit_tokens += len(pages) * self.pool.page_size
         if isinstance(tokens, PrefixKeys):
@@ -349,11 +420,16 @@ class PrefixCache:
             raise InvalidTypeError(f"rows must be a RowSet, got {type(rows).__name__}")
         rows.check_alive()
         row = check_int("row", row, minimum=0, maximum=rows.num_rows - 1)
-        if len(rows.layout.specs) != 1:
-            raise NotSupportedError("prefix caching serves full-attention models (one page table)")
-        table = rows.tables(0)[row]
+        specs = rows.layout.specs
+        if len(specs) != 1:
+            self._check_layout(rows.layout)
+        full = next(s for s, spec in enumerate(specs) if spec.window is None)
+        table = rows.tables(full)[row]
         keys = self._keys_of(tokens)
         added = self._register_table(table, keys)
+        for s, spec in enumerate(specs):
+            if spec.window is not None:
+                added += self._register_window(rows.tables(s)[row], spec.window, keys)
         states, n = rows.states, table.num_tokens
         if (self.state_pool is not None and states is not None and states.pool is self.state_pool
                 and n and n % self.checkpoint_tokens == 0 and not states.in_step
@@ -365,6 +441,30 @@ class PrefixCache:
                     self._checkpoint[node] = slot
                     self._node_of_slot[slot] = node
         return added
+
+    def _register_window(self, table: PageTable, window: int, keys: PrefixKeys) -> int:
+        """File the full pages a sliding table still holds under the nodes of the pages
+        at the same indices (``keys.nodes``, from registering the full table). A page
+        whose (window, node) is filed already, or that is filed under another node, is
+        skipped. The new pages are marked cacheable (which checks that they are held)
+        before anything is filed. O(pages the table holds)."""
+        nodes, ps = keys.nodes, self.pool.page_size
+        end = min(table.num_tokens // ps, len(nodes))
+        first = table.first_visible() // ps
+        if first >= end:
+            return 0
+        have, key_of = self._window_page, self._window_key_of
+        new = []
+        for i, page in enumerate(table.page_ids(first, end).tolist(), first):
+            key = (window, nodes[i])
+            if key not in have and page not in key_of:
+                new.append((page, key))
+        if new:
+            self._set_cacheable([page for page, _ in new])  # may refuse: nothing has changed yet
+            for page, key in new:
+                have[key] = page
+                key_of[page] = key
+        return len(new)
 
     def _register_table(self, table: PageTable, tokens: TokensOrKeys) -> int:
         if not isinstance(table, PageTable):
@@ -690,7 +790,8 @@ class PrefixCache:
     def stats(self) -> PrefixStats:
         return PrefixStats(
             queries=self._queries, query_tokens=self._query_tokens, hit_tokens=self._hit_tokens,
-            hit_pages=self._hit_pages, disk_hit_pages=self._disk_hit_pages, registered_pages=len(self._by_key),
+            hit_pages=self._hit_pages, disk_hit_pages=self._disk_hit_pages,
+            registered_pages=len(self._by_key) + len(self._window_page),
             cached_pages=self.pool.allocator.num_cached(), evictions=self._evictions,
             checkpoints=len(self._checkpoint),
             cached_state_bytes=0 if self.state_pool is None

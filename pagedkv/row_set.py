@@ -141,6 +141,11 @@ class LayerLayout:
         """Whether any attention layer is a sliding window."""
         return any(spec.window is not None for spec in self.specs)
 
+    @property
+    def windows(self) -> tuple[int, ...]:
+        """The sliding-window sizes of the attention layers, each once, ascending."""
+        return tuple(sorted({spec.window for spec in self.specs if spec.window is not None}))
+
     def slot_kinds(self) -> list[tuple[str, int]]:
         """Per cache slot, in order: ("kv", attention layer) or ("state", recurrent layer)."""
         state = {slot: r for r, slot in enumerate(self.state_slots)}
@@ -341,18 +346,36 @@ class RowSet:
         return out
 
     def adopt_prefix(self, pages: Sequence[int], num_tokens: int | None = None,
-                     state_slot: int | None = None) -> None:
-        """Start the one empty full-attention row with ``pages`` (each already referenced
-        once for it: a prefix-cache hit, a loaded cache) holding ``num_tokens`` tokens
-        (default: all pages full); every layer stands after them. A hybrid row also
-        needs ``state_slot``: the recurrent state after those tokens (one reference
-        taken for it)."""
-        if self.num_rows != 1 or len(self._tables) != 1 or self.layout.specs[0].window is not None:
-            raise NotSupportedError("prefix caching serves one full-attention row")
+                     state_slot: int | None = None, window_pages: dict[int, Sequence[int]] | None = None) -> None:
+        """Start the one empty row with ``pages`` (each already referenced once for it: a
+        prefix-cache hit, a loaded cache) in its full-attention table, holding
+        ``num_tokens`` tokens (default: all pages full); every layer stands after them.
+        A hybrid row also needs ``state_slot``: the recurrent state after those tokens
+        (one reference taken for it). A layout with sliding windows needs
+        ``window_pages``: for each sliding spec (its index in ``layout.specs``) the last
+        pages of the same prefix (referenced once each), as many as its window needs;
+        the pages before them are listed as dropped. Nothing changes on a refusal."""
+        specs = self.layout.specs
+        full = [s for s, spec in enumerate(specs) if spec.window is None]
+        if self.num_rows != 1 or len(full) != 1:
+            raise NotSupportedError("prefix caching serves one row with one full-attention table")
         if (self.states is None) != (state_slot is None):
             raise InvalidValueError("a hybrid row adopts pages with their state slot; other rows take no state")
-        table = self._tables[0][0]
+        window_pages = {} if window_pages is None else window_pages
+        if sorted(window_pages) != [s for s in range(len(specs)) if s not in full]:
+            raise InvalidValueError("window_pages must give the pages of every sliding spec, and only those")
+        for s, held in window_pages.items():
+            dropped = len(pages) - len(held)
+            if dropped < 0 or window_start(len(pages) * specs[s].pool.page_size, specs[s].window) \
+                    < dropped * specs[s].pool.page_size:
+                raise InvalidValueError(f"{len(held)} pages cannot hold the window of {specs[s].window} tokens "
+                                        f"at the end of {len(pages)} pages")
+        if window_pages and num_tokens is not None:
+            raise InvalidValueError("a prefix with sliding windows ends on a page boundary")
+        table = self._tables[full[0]][0]
         table.adopt(pages, num_tokens)
+        for s, held in window_pages.items():
+            self._tables[s][0].adopt(held, dropped=len(pages) - len(held))
         if self.states is not None:
             self.states.adopt(state_slot, table.num_tokens)
         self.offsets[:] = table.num_tokens

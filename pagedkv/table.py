@@ -244,20 +244,29 @@ class PageTable:
         self.version += 1
         self.pool.allocator.decref(record.allocated[::-1].copy())
 
-    def adopt(self, pages: Sequence[int], num_tokens: int | None = None) -> None:
+    def adopt(self, pages: Sequence[int], num_tokens: int | None = None, dropped: int = 0) -> None:
         """Start an empty table with ``pages``, on which the caller has already taken one
         reference each (a prefix-cache hit, a loaded cache), holding ``num_tokens``
         tokens (default: every page full; a partial last page must be held by this
-        table alone, as it will be written)."""
+        table alone, as it will be written). ``dropped``: pages before ``pages`` that a
+        sliding window has already let go (listed as the null page); a query at the
+        end must see no key in them."""
         self._check_alive()
         if self._n:
             raise InvalidValueError("adopt() needs an empty table")
+        dropped = check_int("dropped", dropped, minimum=0)
         ids = np.asarray(pages, dtype=np.int64)
-        full = ids.size * self.pool.page_size
+        ps = self.pool.page_size
+        full = (dropped + ids.size) * ps
         if num_tokens is None:
             num_tokens = full
-        elif not full - self.pool.page_size < num_tokens <= full:
-            raise InvalidValueError(f"{num_tokens} tokens do not fill {ids.size} pages of {self.pool.page_size}")
+        elif not full - ps < num_tokens <= full:
+            raise InvalidValueError(f"{num_tokens} tokens do not fill {dropped + ids.size} pages of {ps}")
+        if dropped and (self.window is None or window_start(num_tokens, self.window) < dropped * ps):
+            raise InvalidValueError(f"a query at token {num_tokens} sees keys in the {dropped} dropped pages")
+        if dropped:
+            self._append(np.full(dropped, self.pool.null_page, dtype=np.int64))
+            self._dropped = dropped
         self._append(ids)
         self.num_tokens = num_tokens
 

@@ -5,7 +5,15 @@ import numpy as np
 import pytest
 from tiny_models import PAGE_KINDS, make_model, make_pool, prompt_of
 
-from pagedkv import PrefixCache, can_admit, make_paged_cache, pages_for, preempt
+from pagedkv import (
+    NotSupportedError,
+    PrefixCache,
+    StatePool,
+    can_admit,
+    make_paged_cache,
+    pages_for,
+    preempt,
+)
 from pagedkv.generation import generate
 
 PS = 8
@@ -393,4 +401,80 @@ def test_pages_filed_below_an_evicted_twin_are_filed_again_below_their_own_chain
     assert prefix.match(b) == b_pages
     assert keys.nodes == [prefix._node_of_page[p] for p in b_pages]
     pool.allocator.decref(b_pages)
+    pool.allocator.check()
+
+
+def _prefilled(model, prefix, tokens):
+    """A cache from ``prefix`` holding ``tokens`` but the last, registered right after
+    the prefill (as the serving engine does after each prefill chunk), so the sliding
+    tables still hold every page; returns (cache, the last token)."""
+    cache, rest = prefix.new_cache(model, tokens)
+    if len(rest) > 1:
+        model(mx.array(rest[:-1])[None], cache=cache)
+    prefix.register(cache, tokens)
+    return cache, tokens[-1:]
+
+
+def test_a_sliding_window_models_outputs_with_prefix_caching_equal_outputs_without():
+    """gemma3_text (window 12, pages of 4): a second prompt sharing a 30-token system
+    prompt takes its 7 full pages in the full-attention table and only the window's last
+    pages in the sliding one (the pages before are listed as dropped), and decodes what a
+    cache without prefix caching decodes."""
+    model = make_model("gemma3_text")
+    pool = make_pool("gemma3_text", page_size=4, num_pages=128)
+    prefix = PrefixCache(pool, windows=[12])
+    system = prompt_of(30, seed=3)
+    first = system + prompt_of(6, seed=1)
+    cache, last = _prefilled(model, prefix, first)
+    run(model, cache, last)
+    cache.release()
+
+    second = system + prompt_of(9, seed=2)
+    cache, rest = prefix.new_cache(model, second)
+    assert len(rest) == len(second) - 28  # 7 full pages came from the cache
+    full, sliding = sorted(cache.tables, key=lambda t: t.window is not None)
+    assert full.num_pages == 7 and sliding.first_visible() == 16 and sliding.num_pages == 3
+    with_cache = run(model, cache, rest)
+    cache.release()
+    with make_paged_cache(model, pool) as plain:
+        without = run(model, plain, second)
+    assert with_cache == without
+    assert pool.allocator.num_in_use() == 0
+    pool.allocator.check()
+
+
+def test_a_sliding_window_hit_ends_where_every_window_page_it_needs_is_cached():
+    """With a sliding layer's page 5 evicted, a hit cannot end after page 6 or 7 (a query
+    there sees page 5), so it ends after page 5, whose window needs pages 2-4; the
+    sequence then decodes as without the cache. Refusals: a model with a window the
+    cache was not made for, a hybrid or disk tier beside windows."""
+    model = make_model("gemma3_text")
+    pool = make_pool("gemma3_text", page_size=4, num_pages=64)
+    prefix = PrefixCache(pool, windows=(12,))
+    tokens = prompt_of(29, seed=4)  # 7 full pages + 1 token
+    cache, _ = _prefilled(model, prefix, tokens)
+    sliding = next(t for t in cache.tables if t.window is not None)
+    victim = sliding.page_at(5)
+    cache.release()
+    cached = [p for p in pool.allocator.cached_pages() if p != victim]
+    pool.allocator.touch(cached)  # every cached page but the victim in use: it is the one evicted
+    assert pool.allocator.evict(1) == [victim]
+    pool.allocator.decref(cached)
+    assert len(prefix.match(tokens)) == 5
+    cache, rest = prefix.new_cache(model, tokens + [9])
+    assert len(rest) == 30 - 20
+    assert next(t for t in cache.tables if t.window is not None).first_visible() == 8
+    got = run(model, cache, rest, n=6)
+    cache.release()
+    with make_paged_cache(model, pool) as plain:
+        assert got == run(model, plain, tokens + [9], n=6)
+
+    other = PrefixCache(make_pool("gemma3_text", page_size=4, num_pages=16))  # made without windows
+    with pytest.raises(NotSupportedError, match="windows"):
+        other.new_cache(model, tokens)
+    assert other.pool.allocator.num_in_use() == 0
+    with pytest.raises(NotSupportedError):
+        PrefixCache(pool, windows=(12,), state_pool=StatePool.for_model(make_model("qwen3_next"), num_slots=2))
+    with pytest.raises(ValueError):
+        PrefixCache(pool, windows=(0,))
     pool.allocator.check()

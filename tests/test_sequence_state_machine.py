@@ -30,7 +30,6 @@ from pagedkv import (
     PrefixCache,
     ReleasedError,
     TrimError,
-    make_paged_cache,
     rotated,
 )
 
@@ -70,7 +69,7 @@ class Sequences(FilterBatchRule, RuleBasedStateMachine):
         self.pool = PagePool(num_layers=2, num_kv_heads=1, head_dim=D, page_size=PS, num_pages=14,
                              dtype=mx.float32, cache_limit=None, k_codec=self.codecs[0],
                              v_codec=self.codecs[1])
-        self.prefix = PrefixCache(self.pool)
+        self.prefix = PrefixCache(self.pool, windows=(W,))
         self.seqs = []  # (prompt cache, [ids per layer], full_only)
         self.dead = []  # released or moved prompt caches
         self.views = []  # (view, ids it must show)
@@ -102,29 +101,38 @@ class Sequences(FilterBatchRule, RuleBasedStateMachine):
         first = cache_layer.table.first_visible()
         assert got == ids[first:], (got, ids)
 
+    def _keys(self, ids, full_only):
+        """Keys of each model apart: a full-only page holds both layers, a mixed
+        sequence's full page only its full layer (the other is its sliding table's)."""
+        return self.prefix.keys(ids, extra_keys=b"" if full_only else b"mixed")
+
     # ------------------------------------------------------------------ sequences
     @precondition(lambda self: len(self.seqs) < 4)
-    @rule(n=st.integers(1, 7), full_only=st.booleans())
+    @rule(n=st.integers(1, 14), full_only=st.booleans())
     def new_sequence(self, n, full_only):
-        if full_only:
-            ids = PREFIX[:n] if n < len(PREFIX) else PREFIX + self._fresh(n - len(PREFIX))
-            try:
-                cache, rest = self.prefix.new_cache(FullOnly(), ids)
-            except PoolExhausted:
-                return
-            done = ids[: len(ids) - len(rest)]
-            per_layer = [list(done), list(done)]
-            if not self._step(cache, per_layer, rest):
-                cache.release()
-                return
-            self.prefix.register(cache, per_layer[0])
-        else:
-            cache = make_paged_cache(Mixed(), self.pool)
-            per_layer = [[], []]
-            if not self._step(cache, per_layer, self._fresh(n)):
-                cache.release()
-                return
+        """Both models start from prefix hits: the mixed one's hit also needs the
+        sliding layer's last pages (its table lists the earlier ones as dropped)."""
+        ids = PREFIX[:n] if n < len(PREFIX) else PREFIX + self._fresh(n - len(PREFIX))
+        try:
+            cache, rest = self.prefix.new_cache(FullOnly() if full_only else Mixed(), self._keys(ids, full_only))
+        except PoolExhausted:
+            return
+        done = ids[: len(ids) - len(rest)]
+        per_layer = [list(done), list(done)]
+        if not self._step(cache, per_layer, rest):
+            cache.release()
+            return
+        self.prefix.register(cache, self._keys(per_layer[0], full_only))
         self.seqs.append((cache, per_layer, full_only))
+
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def register(self, data):
+        """Any sequence whose layers are level files its full pages (a mixed one also
+        the pages its sliding table holds); later writes copy them first."""
+        cache, per_layer, full_only = data.draw(st.sampled_from(self.seqs))
+        if per_layer[0] == per_layer[1]:
+            self.prefix.register(cache, self._keys(per_layer[0], full_only))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data(), n=st.integers(1, 4))
@@ -209,7 +217,7 @@ class Sequences(FilterBatchRule, RuleBasedStateMachine):
         for cache, per_layer, full_only in self.seqs:
             if not full_only or per_layer[0] != per_layer[1]:
                 continue
-            k = self.prefix.keys(per_layer[0])
+            k = self._keys(per_layer[0], True)
             self.prefix.match(k)  # the nodes of the pages cached so far
             i = len(k.nodes)
             if (i + 1) * PS > len(per_layer[0]):

@@ -12,7 +12,7 @@ import threading
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import VOCAB, kv_dims, make_model
+from tiny_models import CONFIGS, VOCAB, kv_dims, make_model, model_of_config
 
 from pagedkv import InvalidTypeError, InvalidValueError, PagePool
 from pagedkv.generation import generate
@@ -437,16 +437,68 @@ def test_compiled_decode_is_the_default_with_cuda_refused_where_it_cannot_serve_
     assert engine.pool.allocator.stats().in_use == 0
 
 
-def test_the_engine_refuses_a_sliding_window_model_with_prefix_caching_up_front():
-    """A sliding layer gives pages back as they leave its window, so the prefix cache
-    cannot keep a prompt's pages: the engine says so when it is made, not at a request."""
+def test_the_engine_refuses_prefix_caching_for_a_model_whose_layers_all_slide_up_front():
+    """Prefix caching of a sliding-window model files each window's pages under the
+    nodes of the full-attention pages beside them: a model with no full-attention layer
+    has none, and the engine says so when it is made, not at a request."""
     from pagedkv import NotSupportedError
 
     L, H, D = kv_dims("gemma3_text")
     pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=4, num_pages=64, dtype=mx.float32)
+    all_sliding = model_of_config(dict(CONFIGS["gemma3_text"], sliding_window_pattern=L + 1))
     with pytest.raises(NotSupportedError, match="prefix_caching=False"):
-        Engine(make_model("gemma3_text"), pool, decode=letters)
+        Engine(all_sliding, pool, decode=letters)
     assert pool.allocator.num_in_use() == 0 and not pool.allocator.evict_listeners  # (no prefix cache left on it)
+    Engine(all_sliding, pool, decode=letters, prefix_caching=False).close()
+
+
+@pytest.mark.parametrize("kind, compiled, num_pages", [
+    ("gemma3_text", False, 160), ("gemma3_text", True, 160), ("gemma3n", False, 160),
+    ("gemma3_text", False, 24), ("gemma3_text", True, 24)])
+def test_a_sliding_window_model_with_prefix_caching_hits_shared_prompts_and_decodes_as_mlx_lm(kind, compiled,
+                                                                                               num_pages):
+    """gemma3_text and gemma3n (window 12, pages of 4) with prefix caching: requests
+    share three system prompts longer than the window, so a hit needs the pages of the
+    full layers from the start and those of the sliding layers at its end. Every
+    request's greedy tokens are mlx-lm's own (one request alone, its rotating caches),
+    hits happen, the sliding tables of a hit list their early pages as dropped, and
+    every page comes back (some stay cached). With 160 pages nothing is evicted; with 24,
+    cached pages of both kinds are evicted as requests need room (hits get fewer), and
+    requests go back to the queue (preempted, or a prefill stopped for room: their pages
+    registered, then resumed from hits)."""
+    model = make_model(kind)
+    L, H, D = kv_dims(kind)
+    pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=4, num_pages=num_pages, dtype=mx.float32)
+    engine = Engine(model, pool, decode=letters, max_batch=4, compiled_decode=compiled, prefill_chunk=8)
+    assert engine.prefix is not None and engine.prefix.windows == (12,)
+    sink, rng = Sink(), random.Random(1)
+    systems = [[rng.randrange(VOCAB) for _ in range(rng.randrange(20, 27))] for _ in range(3)]
+    reqs = []
+    for i in range(12):
+        prompt = systems[i % 3] + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 8))]
+        reqs.append((f"r{i}", prompt, rng.randrange(1, 10)))
+    work = []
+    for rid, prompt, n in reqs:  # a few at a time, so later ones find the earlier ones' pages
+        work.append(GenerationRequest(rid, prompt, SamplingParams(max_tokens=n), sink))
+        engine.add(work[-1])
+        engine.step()
+    while engine.has_work:
+        engine.step()
+    for rid, prompt, n in reqs:
+        assert sink.ids(rid) == solo(model, prompt, n), rid
+    st = engine.prefix.stats()
+    if num_pages > 24:  # each system prompt: 5 or more full pages, hit by 3 of its 4 requests
+        assert st.hit_pages >= 9 * 4 and st.evictions == 0
+        cache, _ = engine.prefix.new_cache(model, systems[0] + [1])  # a hit, as the engine's are
+        with cache:
+            full, sliding = sorted(cache.tables, key=lambda t: t.window is not None)
+            assert full.num_pages == len(systems[0]) // 4 and sliding.first_visible() > 0
+    else:
+        assert st.hit_pages > 0 and st.evictions > 0
+        assert sum(w.preemptions for w in work) + st.queries - len(reqs) > 0  # requests went back to the queue
+    assert pool.allocator.stats().in_use == 0 and pool.allocator.num_cached() > 0
+    pool.allocator.check()
+    engine.close()
 
 
 @pytest.mark.parametrize("kind, overlap_decode, compiled", [

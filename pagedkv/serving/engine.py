@@ -196,8 +196,12 @@ class Engine:
         them, so a long prompt cannot stall everyone's next token).
         ``prefill_chunk``: the most tokens in one forward.
         ``prefix_caching``: keep full prompt pages for later requests (``PrefixCache``).
-        A model with sliding-window layers needs it off (``NotSupportedError`` here
-        otherwise); its sliding layers then hold only their window's pages per row.
+        A model with sliding-window layers keeps, besides, the pages of each window that
+        its sliding tables held when a request was registered, so a hit also needs the
+        last window's pages at its end (``PrefixCache`` module doc); a model whose
+        layers all slide, or a hybrid with sliding layers, needs it off
+        (``NotSupportedError`` here otherwise). Sliding layers hold only their window's
+        pages per row.
         ``disk_tier``: keeps evicted prefix pages on disk (and every cached page at
         ``close``), so prefix hits survive eviction and restarts.
         ``state_pool``: a hybrid model's recurrent-state slots (one per running request,
@@ -228,18 +232,17 @@ class Engine:
         vocab = int(config["vocab_size"])
         ctx = max_model_len or int(config.get("max_position_embeddings") or 1 << 30)
         self._layout = layout_for(model, pool, state_pool=state_pool)  # every batch's (frozen)
-        if prefix_caching and self._layout.has_windows:
-            # (checked before the model is routed or the pool touched: a sliding layer
-            # gives its pages back as they leave the window, so a prompt's pages cannot
-            # all be kept for a later request)
-            raise NotSupportedError("the prefix cache does not serve models with sliding windows: "
-                                    "pass prefix_caching=False to serve this one")
+        if prefix_caching and self._layout.has_windows and (
+                state_pool is not None or all(spec.window is not None for spec in self._layout.specs)):
+            # (checked before the model is routed or the pool touched)
+            raise NotSupportedError("the prefix cache serves sliding-window models that have full-attention "
+                                    "layers and no recurrent ones: pass prefix_caching=False to serve this one")
         self._new_batch()
         self.compiled_decode = self._compiled is not None  # what the engine does
         if disk_tier is not None and not prefix_caching:
             raise InvalidValueError("a disk tier keeps prefix-cache pages: it needs prefix_caching")
-        self.prefix = PrefixCache(pool, disk=disk_tier, state_pool=state_pool,
-                                  checkpoint_every=checkpoint_every) if prefix_caching else None
+        self.prefix = PrefixCache(pool, disk=disk_tier, state_pool=state_pool, checkpoint_every=checkpoint_every,
+                                  windows=self._layout.windows) if prefix_caching else None
         self.decode = decode
         self.eos = frozenset(eos_token_ids)
         self.limits = EngineLimits(ctx, (pool.usable_pages) * pool.page_size, vocab)

@@ -97,11 +97,16 @@ def build_engine(args: argparse.Namespace, loaded: list):
     recurrent = any(type(c).__name__ == "ArraysCache" for c in flat_caches(make_prompt_cache(lm.model)))
     states = StatePool.for_model(lm.model, num_slots=2 * args.max_batch + 1) if recurrent else None
     prefix_caching = not args.no_prefix_caching
-    if prefix_caching and layout_for(lm.model, pool, state_pool=states).has_windows:
-        print("prefix caching off: the model has sliding-window layers", file=sys.stderr, flush=True)
+    layout = layout_for(lm.model, pool, state_pool=states)
+    if prefix_caching and layout.has_windows and (
+            states is not None or all(spec.window is not None for spec in layout.specs)):
+        print("prefix caching off: the model's layers all slide, or it has recurrent ones beside sliding ones",
+              file=sys.stderr, flush=True)
         prefix_caching = False
     disk = None
-    if args.disk_tier:
+    if args.disk_tier and layout.has_windows:
+        print("disk tier off: it keeps the pages of full-attention models only", file=sys.stderr, flush=True)
+    elif args.disk_tier:
         from pagedkv.disk_tier import DiskTier
 
         disk = DiskTier(args.disk_tier, pool, max_bytes=args.disk_tier_bytes, model_id=model_fingerprint(lm))
