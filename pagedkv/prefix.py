@@ -421,7 +421,7 @@ class PrefixCache:
         rows.check_alive()
         row = check_int("row", row, minimum=0, maximum=rows.num_rows - 1)
         specs = rows.layout.specs
-        if len(specs) != 1:
+        if len(specs) != 1 or specs[0].window is not None:
             self._check_layout(rows.layout)
         full = next(s for s, spec in enumerate(specs) if spec.window is None)
         table = rows.tables(full)[row]

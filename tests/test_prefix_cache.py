@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_models import PAGE_KINDS, make_model, make_pool, prompt_of
+from tiny_models import CONFIGS, PAGE_KINDS, make_model, make_pool, model_of_config, prompt_of
 
 from pagedkv import (
     NotSupportedError,
@@ -469,6 +469,12 @@ def test_a_sliding_window_hit_ends_where_every_window_page_it_needs_is_cached():
     with make_paged_cache(model, pool) as plain:
         assert got == run(model, plain, tokens + [9], n=6)
 
+    all_sliding = model_of_config(dict(CONFIGS["gemma3_text"], sliding_window_pattern=5))  # 4 layers
+    with make_paged_cache(all_sliding, pool) as c:
+        with pytest.raises(NotSupportedError):
+            prefix.register(c, tokens)
+    with pytest.raises(NotSupportedError):
+        prefix.new_cache(all_sliding, tokens)
     other = PrefixCache(make_pool("gemma3_text", page_size=4, num_pages=16))  # made without windows
     with pytest.raises(NotSupportedError, match="windows"):
         other.new_cache(model, tokens)
