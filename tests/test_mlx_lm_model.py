@@ -79,9 +79,11 @@ def test_serve_answers_from_an_mlx_lm_directory_as_the_gguf_alone(smollm2, smoll
 
 @needs_server
 @pytest.mark.slow
-def test_serve_runs_a_sliding_window_family_directory_without_the_prefix_cache(smollm2, tmp_path):
+def test_serve_runs_a_sliding_window_family_directory_with_prefix_hits(smollm2, tmp_path):
     """gemma3_text, window 8 on 5 of 6 layers, random weights: prompts longer than the
-    window, so the sliding layers give pages back while the server decodes."""
+    window, so the sliding layers give pages back while the server decodes; a second
+    turn starts from the first turn's pages (its full layer's from the start, its
+    sliding layers' at the end) and still decodes as the model alone."""
     from mlx_lm.models import gemma3_text
     from openai import OpenAI
     from test_openai_server import solo, start_server, stop_server
@@ -103,14 +105,20 @@ def test_serve_runs_a_sliding_window_family_directory_without_the_prefix_cache(s
     try:
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         served = load_mlx_lm(path)  # the same weights in this process
-        for text in ("The capital of France is", "Once upon a time, in a land far away, there lived a"):
+        def ask(text: str):
             got = client.completions.create(model="gemma3-tiny", prompt=text, max_tokens=16, temperature=0)
-            want, _ = solo(served, served.encode(text), 16)
-            assert got.choices[0].text == want
+            assert got.choices[0].text == solo(served, served.encode(text), 16)[0]
+            return got
+
+        first = "Once upon a time, in a land far away, there lived a"
+        answer = ask(first).choices[0].text
+        ask("The capital of France is")
+        second = ask(first + answer + " The end. What happened next?")  # the second turn
+        assert second.usage.prompt_tokens_details.cached_tokens >= len(served.encode(first)) // 4 * 4 - 4 > 0
     finally:
         output: list[str] = []
         assert stop_server(proc, output) == "engine stopped: 0 KV pages in use, "
-    assert "prefix caching off: the model has sliding-window layers" in output[0]
+    assert "prefix caching off" not in output[0]
 
 
 def _family_dirs() -> dict:
@@ -158,16 +166,19 @@ def test_the_server_sets_up_a_directory_of_each_kind_and_decodes_it_as_mlx_lm(sm
     engine = build_engine(args, loaded)
     lm = loaded[0]
     assert (engine.state_pool is not None) == (family == "qwen3_next")
-    assert (engine.prefix is None) == (family in ("gemma3n", "gpt_oss"))  # sliding windows
+    assert engine.prefix is not None and engine.prefix.windows == engine._layout.windows  # (windows: gemma3n, gpt_oss)
     prompts = [lm.encode("The capital of France is"), lm.encode("Once upon a time, in a land far away, there")]
     out: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        engine.add(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=12),
-                                     lambda d: out.setdefault(d.rid, []).extend(d.token_ids)))
-    while engine.has_work:
-        engine.step()
-    for i, prompt in enumerate(prompts):
-        assert out[f"r{i}"] == list(generate(lm.model, make_prompt_cache(lm.model), prompt, max_tokens=12,
-                                             eos_ids=lm.eos_token_ids))
+    for r in range(2):  # the second round hits the first round's pages
+        for i, prompt in enumerate(prompts):
+            engine.add(GenerationRequest(f"{r}.{i}", prompt, SamplingParams(max_tokens=12),
+                                         lambda d: out.setdefault(d.rid, []).extend(d.token_ids)))
+        while engine.has_work:
+            engine.step()
+    assert engine.prefix.stats().hit_pages > 0 or family == "qwen3_next"  # (its checkpoints: every 16 pages)
+    for r in range(2):
+        for i, prompt in enumerate(prompts):
+            assert out[f"{r}.{i}"] == list(generate(lm.model, make_prompt_cache(lm.model), prompt, max_tokens=12,
+                                                    eos_ids=lm.eos_token_ids))
     engine.close()
     assert engine.pool.allocator.num_in_use() == 0
