@@ -25,23 +25,30 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached_tokens: int = 0,
-              watermark: float = 0.01, state_pool: StatePool | None = None, releasable: int = 0) -> bool:
+              watermark: float = 0.01, state_pool: StatePool | None = None, releasable: int = 0,
+              revived: int = 0, extra_pages: int = 0) -> bool:
     """True if a request needs no more than the available pages minus a watermark.
 
     ``cached_tokens`` are prompt tokens a prefix cache will serve (they cost no new
-    pages). ``watermark`` is the fraction of the pool kept free for running sequences.
-    ``state_pool`` (hybrid models): the request also needs one free or evictable
-    recurrent-state slot beyond the same watermark of that pool. ``releasable``: pages
-    the caller holds ahead of need and gives back for the request (a ``CompiledDecode``'s
-    ``lookahead_pages``), counted as available.
+    pages). ``revived``: how many of the hit's pages are CACHED now (no sequence holds
+    them): taking them removes them from the evictable pages, so they stop counting as
+    available. ``extra_pages``: pages the request needs beyond its full-attention table
+    (a sliding-window model's sliding tables). ``watermark`` is the fraction of the pool
+    kept free for running sequences. ``state_pool`` (hybrid models): the request also
+    needs one free or evictable recurrent-state slot beyond the same watermark of that
+    pool. ``releasable``: pages the caller holds ahead of need and gives back for the
+    request (a ``CompiledDecode``'s ``lookahead_pages``), counted as available.
     """
     check_int("prompt_tokens", prompt_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
     check_int("cached_tokens", cached_tokens, minimum=0)
     check_int("releasable", releasable, minimum=0)
+    check_int("revived", revived, minimum=0)
+    check_int("extra_pages", extra_pages, minimum=0)
     if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
         raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
-    need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size
+    need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size \
+        + extra_pages + revived
     reserve = math.ceil(watermark * pool.usable_pages)
     if state_pool is not None:
         if not isinstance(state_pool, StatePool):

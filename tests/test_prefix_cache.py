@@ -230,6 +230,31 @@ def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):
         can_admit(pool, 1, 1, releasable=-1)
 
 
+def test_can_admit_counts_a_hits_cached_pages_as_taken_and_a_sliding_tables_pages_as_needed():
+    """A hit's pages that are CACHED now stop being evictable once taken: a request
+    whose hit is the pool's only cached pages, with no page free, has no room for its one
+    new page (counting them as available would admit it, and its prefill would run out).
+    ``extra_pages`` (a sliding-window model's sliding tables) add to what it needs."""
+    pool = make_pool("llama", page_size=PS, num_pages=11)  # 10 usable
+    prefix = PrefixCache(pool)
+    tokens = prompt_of(4 * PS + 3, seed=9)
+    held = pool.allocator.allocate(10)
+    prefix.register_pages(held[:4].tolist(), prefix.keys(tokens))
+    pool.allocator.decref(held[3::-1].copy())  # the prefix's 4 pages become CACHED; 6 stay in use
+    hit = prefix.match(tokens)
+    assert len(hit) == 4 and pool.allocator.num_available() == 4
+    revived = sum(pool.allocator.refcount(p) == 0 for p in hit)
+    assert can_admit(pool, len(tokens), 0, cached_tokens=4 * PS, watermark=0.0)  # (the overcount)
+    assert not can_admit(pool, len(tokens), 0, cached_tokens=4 * PS, revived=revived, watermark=0.0)
+    pool.allocator.decref(held[4:5].copy())  # one page free: now it fits
+    assert can_admit(pool, len(tokens), 0, cached_tokens=4 * PS, revived=revived, watermark=0.0)
+    assert not can_admit(pool, len(tokens), 0, cached_tokens=4 * PS, revived=revived, watermark=0.0, extra_pages=1)
+    with pytest.raises(ValueError):
+        can_admit(pool, 1, 1, revived=-1)
+    pool.allocator.decref(held[5:].copy())
+    pool.allocator.check()
+
+
 @pytest.mark.parametrize("evicted", [1, 3, 5])
 def test_the_cached_pages_left_of_a_released_sequence_still_match_a_prefix(model, evicted):
     pool = make_pool("llama", page_size=PS, num_pages=8)  # 7 usable pages

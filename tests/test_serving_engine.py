@@ -454,7 +454,7 @@ def test_the_engine_refuses_prefix_caching_for_a_model_whose_layers_all_slide_up
 
 @pytest.mark.parametrize("kind, compiled, num_pages", [
     ("gemma3_text", False, 160), ("gemma3_text", True, 160), ("gemma3n", False, 160),
-    ("gemma3_text", False, 24), ("gemma3_text", True, 24)])
+    ("gemma3_text", False, 24), ("gemma3_text", True, 64)])
 def test_a_sliding_window_model_with_prefix_caching_hits_shared_prompts_and_decodes_as_mlx_lm(kind, compiled,
                                                                                                num_pages):
     """gemma3_text and gemma3n (window 12, pages of 4) with prefix caching: requests
@@ -462,10 +462,10 @@ def test_a_sliding_window_model_with_prefix_caching_hits_shared_prompts_and_deco
     full layers from the start and those of the sliding layers at its end. Every
     request's greedy tokens are mlx-lm's own (one request alone, its rotating caches),
     hits happen, the sliding tables of a hit list their early pages as dropped, and
-    every page comes back (some stay cached). With 160 pages nothing is evicted; with 24,
-    cached pages of both kinds are evicted as requests need room (hits get fewer), and
-    requests go back to the queue (preempted, or a prefill stopped for room: their pages
-    registered, then resumed from hits)."""
+    every page comes back (some stay cached). With 160 pages nothing is evicted; with 64,
+    cached pages of both kinds are evicted as requests need room (hits get fewer); with
+    24, requests also go back to the queue (preempted, or a prefill stopped for room:
+    their pages registered, then resumed from hits)."""
     model = make_model(kind)
     L, H, D = kv_dims(kind)
     pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=4, num_pages=num_pages, dtype=mx.float32)
@@ -487,7 +487,7 @@ def test_a_sliding_window_model_with_prefix_caching_hits_shared_prompts_and_deco
     for rid, prompt, n in reqs:
         assert sink.ids(rid) == solo(model, prompt, n), rid
     st = engine.prefix.stats()
-    if num_pages > 24:  # each system prompt: 5 or more full pages, hit by 3 of its 4 requests
+    if num_pages == 160:  # each system prompt: 5 or more full pages, hit by 3 of its 4 requests
         assert st.hit_pages >= 9 * 4 and st.evictions == 0
         cache, _ = engine.prefix.new_cache(model, systems[0] + [1])  # a hit, as the engine's are
         with cache:
@@ -495,7 +495,8 @@ def test_a_sliding_window_model_with_prefix_caching_hits_shared_prompts_and_deco
             assert full.num_pages == len(systems[0]) // 4 and sliding.first_visible() > 0
     else:
         assert st.hit_pages > 0 and st.evictions > 0
-        assert sum(w.preemptions for w in work) + st.queries - len(reqs) > 0  # requests went back to the queue
+        if num_pages == 24:  # requests went back to the queue
+            assert sum(w.preemptions for w in work) + st.queries - len(reqs) > 0
     assert pool.allocator.stats().in_use == 0 and pool.allocator.num_cached() > 0
     pool.allocator.check()
     engine.close()

@@ -376,10 +376,13 @@ class Engine:
         while self.waiting and budget > 0 and len(self.running) + len(self.prefilling) < self.max_batch:
             req = self.waiting[0]
             n = len(req.prompt) + len(req.generated)
-            cached = len(self.prefix.match(self._keys(req))) * ps if self.prefix else 0
             if self.running or self.prefilling:
-                fit = functools.partial(can_admit, self.pool, n, min(req.params.max_tokens - len(req.generated), 16),
-                                        cached_tokens=cached, watermark=self.watermark, state_pool=self.state_pool)
+                hit = self.prefix.match(self._keys(req)) if self.prefix else []
+                refcount, ahead_tokens = self.pool.allocator.refcount, min(req.params.max_tokens - len(req.generated), 16)
+                fit = functools.partial(can_admit, self.pool, n, ahead_tokens, cached_tokens=len(hit) * ps,
+                                        revived=sum(1 for page in hit if refcount(page) == 0),
+                                        extra_pages=self._window_pages(n + ahead_tokens),
+                                        watermark=self.watermark, state_pool=self.state_pool)
                 ahead = self._compiled.lookahead_pages if self._compiled is not None else 0
                 if not fit(releasable=ahead):
                     break
@@ -387,6 +390,12 @@ class Engine:
                     self._compiled.release_lookahead()
             self.waiting.popleft()
             budget = self._advance(self._start(req), budget)
+
+    def _window_pages(self, tokens: int) -> int:
+        """Pages the sliding-window tables of a ``tokens``-token sequence hold at most."""
+        ps = self.pool.page_size
+        return sum(min(-(-tokens // ps), -(-(spec.window + spec.rewind) // ps) + 1)
+                   for spec in self._layout.specs if spec.window is not None)
 
     def _start(self, req: GenerationRequest) -> _Prefill:
         """A cache for ``req`` holding its longest cached prefix; the rest is to prefill."""
