@@ -35,7 +35,6 @@ from pagedkv import (
     PagedKvError,
     PagePool,
     PrefixCache,
-    make_paged_cache,
     rotated,
 )
 
@@ -81,7 +80,7 @@ class Soak:
         self.rng = random.Random(seed)
         self.pool = PagePool(num_layers=2, num_kv_heads=H, head_dim=D, page_size=PS, num_pages=40,
                              dtype=mx.float32, cache_limit=None, k_codec=codecs[0], v_codec=codecs[1])
-        self.prefix = PrefixCache(self.pool)
+        self.prefix = PrefixCache(self.pool, windows=(6,))  # (_Mixed's window)
         self.seqs: list = []
         self.dead: list = []
         self.views: list = []
@@ -93,18 +92,16 @@ class Soak:
     def op_new(self):
         if len(self.seqs) >= 6:
             return self.op_release()
-        if self.rng.random() < 0.5:
-            tokens = [1, 2, 3, 4, 5, 6, 7, 8][: self.rng.randint(1, 8)] + [self.rng.randint(9, 50)]
-            cache, rest = self.prefix.new_cache(_Full(), tokens)
-            self.seqs.append(cache)
-            for c in cache:
-                c.update_and_fetch(*_kv(len(rest)))
-            self.prefix.register(cache, tokens)
-        else:
-            cache = make_paged_cache(_Mixed(), self.pool)
-            self.seqs.append(cache)
-            for c in cache:
-                c.update_and_fetch(*_kv(self.rng.randint(1, 9)))
+        # both models start from prefix hits (a mixed one's also needs its window's pages);
+        # their keys apart, as two models' must be
+        model, extra = (_Full(), b"") if self.rng.random() < 0.5 else (_Mixed(), b"mixed")
+        tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12][: self.rng.randint(1, 12)] + [self.rng.randint(13, 50)]
+        keys = self.prefix.keys(tokens, extra_keys=extra)
+        cache, rest = self.prefix.new_cache(model, keys)
+        self.seqs.append(cache)
+        for c in cache:
+            c.update_and_fetch(*_kv(len(rest)))
+        self.prefix.register(cache, keys)
 
     def _seq(self):
         """A live sequence whose layers are level (a per-layer trim whose catch-up write
