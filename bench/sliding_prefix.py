@@ -17,7 +17,9 @@ shared P-token prefix plus 32 new tokens. In one process, its time to first toke
   new tokens are computed. The hit's full-attention table holds all P / 16 pages, its
   sliding table only the window's last pages (printed).
 
-Every variant gives the same first token (checked).
+The paged hit gives the same first token as the paged miss (checked); whether mlx-lm's
+agrees is printed (in float32 it does; in bfloat16 the two attention paths round
+differently over long prompts, and random weights leave near-ties).
 """
 
 from __future__ import annotations
@@ -45,13 +47,12 @@ PAGE = 16
 SUFFIX = 32
 
 
-def build():
+def build(dtype=mx.float32):
     from mlx_lm.models import gemma3_text
 
     mx.random.seed(0)
     model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(GEMMA3_SMALL))
-    if mx.default_device() == mx.gpu:
-        model.set_dtype(mx.bfloat16)
+    model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
 
@@ -67,29 +68,31 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", default="1024,2048")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = ap.parse_args()
     from mlx_lm.models.cache import make_prompt_cache
 
-    model = build()
-    dtype = mx.bfloat16 if mx.default_device() == mx.gpu else mx.float32
+    dtype = getattr(mx, args.dtype)
+    model = build(dtype)
     window = GEMMA3_SMALL["sliding_window"]
-    print(f"device {mx.default_device()}, gemma3_text small (5 sliding-window layers of {window} + 1 full), "
+    print(f"device {mx.default_device()}, {args.dtype}, gemma3_text small (5 sliding-window layers of {window} + 1 full), "
           f"page {PAGE}")
     for n in [int(x) for x in args.tokens.split(",")]:
         shared = [(i * 7919) % 8000 + 1 for i in range(n)]
         pool = PagePool(num_layers=6, num_kv_heads=2, head_dim=64, page_size=PAGE,
                         num_pages=6 * (n + 2 * SUFFIX) // PAGE + 8, dtype=dtype)
         times: dict[str, list[float]] = {"mlx-lm": [], "paged, no cache": [], "paged hit": []}
+        agree = 0
         for r in range(args.repeats):
-            firsts = set()
+            firsts = []
             prompt = shared + [(r * 31 + i) % 8000 + 1 for i in range(SUFFIX)]
             tok, s = first_token(model, make_prompt_cache(model), prompt)
             times["mlx-lm"].append(s)
-            firsts.add(tok)
+            firsts.append(tok)
             with make_paged_cache(model, pool) as cache:
                 tok, s = first_token(model, cache, prompt)
             times["paged, no cache"].append(s)
-            firsts.add(tok)
+            firsts.append(tok)
             prefix = PrefixCache(pool, windows=(window,))
             seed = shared + [8001] * SUFFIX  # an earlier request left the prefix behind
             with make_paged_cache(model, pool) as cache:
@@ -101,13 +104,15 @@ def main() -> None:
             held = (full.num_pages, sliding.num_pages)
             tok, s = first_token(model, cache, rest)
             times["paged hit"].append(time.perf_counter() - t)
-            firsts.add(tok)
+            firsts.append(tok)
             cache.release()
             pool.allocator.evict(pool.allocator.num_cached())
-            assert len(firsts) == 1, f"variants disagree on the first token: {firsts}"
+            assert firsts[1] == firsts[2], f"the hit's first token differs from the miss's: {firsts}"
+            agree += firsts[0] == firsts[1]
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\nP = {n} shared + {SUFFIX} new tokens (hit: {hit} tokens; the hit's tables hold "
-              f"{held[0]} full-attention pages and {held[1]} sliding-window pages), median of {args.repeats}:")
+              f"{held[0]} full-attention pages and {held[1]} sliding-window pages), median of {args.repeats}; "
+              f"mlx-lm's first token the same in {agree}/{args.repeats}:")
         for k, v in med.items():
             print(f"  {k:16s} TTFT {v * 1e3:9.1f} ms   mlx-lm / this = {med['mlx-lm'] / v:6.2f}x")
 
