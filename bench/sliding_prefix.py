@@ -33,6 +33,9 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from hybrid_prefix import first_token  # noqa: E402
 
 from pagedkv import PagePool, PrefixCache, make_paged_cache  # noqa: E402
 from pagedkv.generation import prefill  # noqa: E402
@@ -55,13 +58,6 @@ def build(dtype=mx.float32):
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
-
-
-def first_token(model, cache, rest: list[int], chunk: int = 512) -> tuple[int, float]:
-    t = time.perf_counter()
-    prefill(model, cache, rest[:-1], chunk)
-    tok = int(mx.argmax(model(mx.array([rest[-1:]]), cache=cache)[0, -1]).item())
-    return tok, time.perf_counter() - t
 
 
 def main() -> None:

@@ -619,10 +619,8 @@ class PrefixCache:
                 new_pages.append(page)
         if new_pages:
             self._set_cacheable(new_pages)  # may refuse: nothing has changed yet
-        for key, page in refile.items():  # (see _register_general)
-            del by_key[key_of[page]]
-            by_key[key] = page
-            key_of[page] = key
+        for key, page in refile.items():
+            self._refile(page, key)
         node = self._next_node
         made = [0] * len(plan)
         for j, (k, key, source) in enumerate(zip(keys, next_keys, plan)):
@@ -757,9 +755,7 @@ class PrefixCache:
         if new:
             self._set_cacheable([page for page, _, _ in new])  # may refuse: nothing has changed yet
         for page, key in refile:
-            del by_key[key_of[page]]
-            by_key[key] = page
-            key_of[page] = key
+            self._refile(page, key)
         for page, key, made in new:
             if self.disk is not None:
                 self._file_digests(key[0], [key[1]], made)
@@ -770,6 +766,13 @@ class PrefixCache:
         del nodes[start:]
         nodes.extend(walked)
         return len(new)
+
+    def _refile(self, page: int, key: tuple[int, bytes]) -> None:
+        """File ``page``, registered under an older chain, under ``key`` of this one
+        instead (``_register_general`` says when); its node stays."""
+        del self._by_key[self._key_of_page[page]]
+        self._by_key[key] = page
+        self._key_of_page[page] = key
 
     def _file_digests(self, parent: int, chunks: list[bytes], node: int) -> None:
         """The disk tier's chain digests of new nodes ``node, node + 1, ...`` whose pages

@@ -74,7 +74,7 @@ from pagedkv.pool import PagePool
 from pagedkv.row_states import RowStates
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.state_pool import StatePool
-from pagedkv.table import BatchAppend, PageTable
+from pagedkv.table import BatchAppend, PageTable, check_dropped
 from pagedkv.view import KvAttentionView
 from pagedkv.visibility import range_mask, window_start
 
@@ -364,12 +364,9 @@ class RowSet:
         window_pages = {} if window_pages is None else window_pages
         if sorted(window_pages) != [s for s in range(len(specs)) if s not in full]:
             raise InvalidValueError("window_pages must give the pages of every sliding spec, and only those")
-        for s, held in window_pages.items():
-            dropped = len(pages) - len(held)
-            if dropped < 0 or window_start(len(pages) * specs[s].pool.page_size, specs[s].window) \
-                    < dropped * specs[s].pool.page_size:
-                raise InvalidValueError(f"{len(held)} pages cannot hold the window of {specs[s].window} tokens "
-                                        f"at the end of {len(pages)} pages")
+        for s, held in window_pages.items():  # all checked before any table changes
+            ps = specs[s].pool.page_size
+            check_dropped(len(pages) * ps, specs[s].window, len(pages) - len(held), ps)
         if window_pages and num_tokens is not None:
             raise InvalidValueError("a prefix with sliding windows ends on a page boundary")
         table = self._tables[full[0]][0]

@@ -79,6 +79,15 @@ def _check_supply(alloc, need: np.ndarray, supply) -> np.ndarray:
     return supplied
 
 
+def check_dropped(num_tokens: int, window: int | None, dropped: int, page_size: int) -> None:
+    """``InvalidValueError`` unless a table of ``window`` holding ``num_tokens`` tokens
+    may list its first ``dropped`` pages as dropped: a query at the end sees no key in
+    them (so ``window`` is a sliding window)."""
+    if dropped < 0 or (dropped and (window is None or window_start(num_tokens, window) < dropped * page_size)):
+        raise InvalidValueError(f"a query at token {num_tokens} sees keys in the {dropped} dropped pages "
+                                f"(window {window}, pages of {page_size})")
+
+
 @attrs.define(slots=True)
 class UndoRecord:
     """What a journaled ``prepare_write`` changed: the table before it, the pages it
@@ -262,8 +271,8 @@ class PageTable:
             num_tokens = full
         elif not full - ps < num_tokens <= full:
             raise InvalidValueError(f"{num_tokens} tokens do not fill {dropped + ids.size} pages of {ps}")
-        if dropped and (self.window is None or window_start(num_tokens, self.window) < dropped * ps):
-            raise InvalidValueError(f"a query at token {num_tokens} sees keys in the {dropped} dropped pages")
+        if dropped:
+            check_dropped(num_tokens, self.window, dropped, ps)
         if dropped:
             self._append(np.full(dropped, self.pool.null_page, dtype=np.int64))
             self._dropped = dropped
