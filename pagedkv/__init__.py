@@ -18,7 +18,13 @@
 from allocators import PoolExhausted
 from pagedkv.attention_routing import route_attention
 from pagedkv.batch import PagedBatch, PagedBatchKVCache
-from pagedkv.cache import PagedKVCache, PagedPromptCache, layout_for, make_paged_cache
+from pagedkv.cache import (
+    PagedKVCache,
+    PagedPromptCache,
+    kv_pool_layers,
+    layout_for,
+    make_paged_cache,
+)
 from pagedkv.cache_file import load_cache, save_cache
 from pagedkv.codec import AffineQuant, FullPrecision, RotatedAffineQuant, rotated
 from pagedkv.compiled_decode import CompiledDecode
@@ -77,6 +83,7 @@ __all__ = [
     "AffineQuant",
     "FullPrecision",
     "route_attention",
+    "kv_pool_layers",
     "layout_for",
     "RotatedAffineQuant",
     "rotated",

@@ -390,12 +390,17 @@ def _latent_attention_module(model) -> str:
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
                max_kv_size: int | None = None, state_pool: StatePool | None = None,
                rewind: int = 0) -> LayerLayout:
-    """The layer layout of ``model``'s caches: full-attention layers share one table spec
-    in ``pool``; each sliding-window size gets its own (in ``sliding_pool`` if given,
-    whose layers are numbered in order of the sliding layers; the full layers then take
-    ``pool``'s layers in order). Without ``sliding_pool``, attention layer i (the i-th
-    cache slot that is not recurrent) uses layer i. A hybrid model's recurrent layers
-    keep their state in ``state_pool`` (``StatePool.for_model(model, ...)``).
+    """The layer layout of ``model``'s caches. The attention layers of each kind (full
+    attention; each sliding-window size), in model order, are cut into groups of as many
+    layers as their pool has (``pool``, or ``sliding_pool`` for the sliding ones if given);
+    each group is a table spec, and a layer uses the pool layer of its place in its group.
+    A page id then holds the K/V of one group's layers only, so no pool layer is kept for
+    layers that never write it: a Gemma-3-style model (5 sliding layers per full one) on a
+    pool with as many layers as it has full-attention layers (``kv_pool_layers``) keeps a
+    long prompt's full-attention pages without the sliding layers' share, much as vLLM's
+    equal-size layer groups do. A pool with a layer per attention layer gives one spec per
+    kind. A hybrid model's recurrent layers keep their state in ``state_pool``
+    (``StatePool.for_model(model, ...)``).
     ``rewind``: tokens the sliding-window tables keep behind their window, so that a
     sequence can always be trimmed back that far (``PageTable``); a draft model that
     proposes k tokens one step at a time needs k - 1."""
@@ -420,19 +425,35 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
                                 f"{state_pool.num_layers}")
     specs: list[TableSpec] = []
     layers = []
-    n_full = n_sliding = 0
-    for i, w in enumerate(w for w in windows if w != _RECURRENT):
-        if w is None:
-            spec, layer = TableSpec(pool, None), (n_full if sliding_pool is not None else i)
-            n_full += 1
-        else:
-            target = sliding_pool if sliding_pool is not None else pool
-            spec, layer = TableSpec(target, w, rewind), (n_sliding if sliding_pool is not None else i)
-            n_sliding += 1
+    seen: dict[int | None, int] = {}  # layers of each kind so far
+    for w in windows:
+        if w == _RECURRENT:
+            continue
+        target = pool if w is None or sliding_pool is None else sliding_pool
+        group, layer = divmod(seen.get(w, 0), target.num_layers)
+        seen[w] = seen.get(w, 0) + 1
+        spec = TableSpec(target, w, 0 if w is None else rewind, group)
         if spec not in specs:
             specs.append(spec)
         layers.append((specs.index(spec), layer))
     return LayerLayout(tuple(specs), tuple(layers), state_slots, state_pool if state_slots else None, groups)
+
+
+def kv_pool_layers(model, max_kv_size: int | None = None) -> int:
+    """The pool layers to give ``model`` (``layout_for``): as many as it has
+    full-attention layers, so they form one group (one table, which prefix caching
+    needs) and a long sequence's full-attention pages hold no room for other layers;
+    its sliding-window layers then form groups of that many (the last one may leave
+    layers unused, in window pages only). A model without full-attention layers: its
+    smallest kind of sliding layers. For a model of one kind, all of its attention layers."""
+    counts: dict[int | None, int] = {}
+    for entry in _layer_windows(model, max_kv_size):
+        for w in entry:
+            if w != _RECURRENT:
+                counts[w] = counts.get(w, 0) + 1
+    if not counts:
+        raise NotSupportedError("the model has no attention layers (no K/V for pages to hold)")
+    return counts[None] if None in counts else min(counts.values())
 
 
 def make_paged_cache(

@@ -10,7 +10,9 @@ never waits for the disk. A page still queued is served from memory.
 
 A page file is named by its *chain digest*: BLAKE2b-128 over the digest of the prefix
 before it and its own token ids, from a root digest of the prefix cache's
-``extra_keys``. A later ``PrefixCache.new_cache`` that runs out of RAM pages looks the
+``extra_keys``. On a sliding-window model the page a sliding layer keeps for the same
+tokens is another file, named by ``window_digest`` of its window (and layer group) and
+that chain digest; its parent digest is the chain digest. A later ``PrefixCache.new_cache`` that runs out of RAM pages looks the
 next pages' digests up here, reads them back into free pool pages and registers them
 again, so they are RAM hits from then on. Each file's page token ids and parent
 digest are compared with the request's before its bytes are used, as a RAM hit
@@ -56,6 +58,15 @@ _DIGEST = 16
 def chain_digest(parent: bytes, page_tokens: bytes) -> bytes:
     """The digest naming a page: BLAKE2b-128 of its parent's digest and its token bytes."""
     return hashlib.blake2b(parent + page_tokens, digest_size=_DIGEST).digest()
+
+
+def window_digest(window: tuple[int, int], node_digest: bytes) -> bytes:
+    """The digest naming a sliding-window page: the page that the group of sliding layers
+    ``window`` = (window size, group; ``TableSpec``) keeps for the same tokens as the full
+    page named ``node_digest`` (other layers' bytes, so another file)."""
+    size, group = window
+    return hashlib.blake2b(b"pagedkv.window\0" + size.to_bytes(8, "little") + group.to_bytes(8, "little")
+                           + node_digest, digest_size=_DIGEST).digest()
 
 
 def _token_record(page_tokens: bytes) -> str:
@@ -177,7 +188,7 @@ class DiskTier:
                 return None
             self.stats.bytes_read += sum(a.nbytes for a in data.values())
         if meta.get("digest") != key or meta.get("parent") != parent.hex() \
-                or meta.get("tokens") != _token_record(tokens) or meta.get("pages") != "1":
+                or meta.get("tokens") != _token_record(tokens) or (pending is None and meta.get("pages") != "1"):
             self._drop_bad(key, InvalidValueError("its digest, parent or token ids are not the request's"))
             return None
         with self._lock:

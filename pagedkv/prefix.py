@@ -33,6 +33,8 @@ others when the window lets them go. A hit must then end where every window's la
 pages are cached too (those a query at the hit's end sees); the sliding tables of the
 new sequence start from those pages, the earlier ones listed as dropped. Layouts need
 one full-attention table (models whose layers all slide are refused), all in ``pool``.
+With a disk tier, window pages spill and come back like full pages, and a hit ends where
+every window finds its last pages in RAM or on disk.
 
 Ownership: the prefix cache owns the key → page map and no references; pages are kept
 alive by the tables that hold them, or by the allocator's CACHED state.
@@ -53,7 +55,7 @@ import attrs
 import numpy as np
 
 from pagedkv.cache import PagedPromptCache, make_paged_cache
-from pagedkv.disk_tier import DiskTier, chain_digest, root_digest
+from pagedkv.disk_tier import DiskTier, chain_digest, root_digest, window_digest
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -69,6 +71,7 @@ from pagedkv.state_pool import StatePool
 from pagedkv.table import PageTable
 
 TokensOrKeys = Union[Sequence[int], PrefixKeys]
+WindowKey = tuple[int, int]  # a sliding table spec's (window size, group): ``TableSpec``
 
 
 @attrs.frozen
@@ -97,13 +100,16 @@ class PrefixCache:
         :mod:`pagedkv.disk_tier`); ``new_cache`` then continues a RAM hit from it.
         ``state_pool``: a hybrid model's recurrent-state pool; a checkpoint is kept
         every ``checkpoint_every`` pages (module doc). ``windows``: the sliding-window
-        sizes of the models it serves (``LayerLayout.windows``; module doc)."""
+        sizes of the models it serves, a size once per group of layers with that window
+        (``LayerLayout.windows``; module doc)."""
         if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
             raise InvalidTypeError(f"windows must be a sequence of ints, got {type(windows).__name__}")
-        self.windows = tuple(sorted({check_int("window", w, minimum=1) for w in windows}))
-        if self.windows and (state_pool is not None or disk is not None):
-            raise NotSupportedError("prefix caching with sliding windows serves models without recurrent "
-                                    "layers, and without a disk tier")
+        self.windows = tuple(sorted(check_int("window", w, minimum=1) for w in windows))
+        # a sliding table spec's window pages are filed under its (window, group)
+        self._window_keys: tuple[WindowKey, ...] = tuple(
+            (w, g) for w in sorted(set(self.windows)) for g in range(self.windows.count(w)))
+        if self.windows and state_pool is not None:
+            raise NotSupportedError("prefix caching with sliding windows serves models without recurrent layers")
         if disk is not None and (not isinstance(disk, DiskTier) or disk.pool is not pool):
             raise InvalidValueError("disk must be a DiskTier of the same pool")
         if state_pool is not None and not isinstance(state_pool, StatePool):
@@ -129,8 +135,10 @@ class PrefixCache:
         self._node_np = np.frombuffer(self._node_of_page, dtype=np.int64)
         self._roots: dict[bytes, int] = {}
         self._next_node = 1
-        self._window_page: dict[tuple[int, int], int] = {}  # (window, node) -> that window's page there
-        self._window_key_of: dict[int, tuple[int, int]] = {}  # registered window page -> its key
+        self._window_page: dict[tuple[WindowKey, int], int] = {}  # (window key, node) -> its page there
+        self._window_key_of: dict[int, tuple[WindowKey, int]] = {}  # registered window page -> its key
+        # (window key, node) -> (its page's digest, the node's digest, the page's token bytes); with disk
+        self._window_digests: dict[tuple[WindowKey, int], tuple[bytes, bytes, bytes]] = {}
         pool.allocator.evict_listeners.append(self._forget)
         self._set_cacheable = pool.allocator.set_cacheable
         self._set_cacheable_page = getattr(pool.allocator, "set_cacheable_page", None) or self._one_cacheable
@@ -168,15 +176,14 @@ class PrefixCache:
     def _forget(self, ids: list[int]) -> None:
         """Evict listener: drop the keys of evicted pages (after queuing them for the
         disk tier, if any). O(len(ids)), the lookups in C when every page is ours."""
-        key_of, by_key = self._key_of_page, self._by_key
+        key_of, by_key, window_key_of = self._key_of_page, self._by_key, self._window_key_of
         if self.disk is not None:
-            self._spill([p for p in ids if p in key_of], forget=True)
+            self._spill([p for p in ids if p in key_of or p in window_key_of], forget=True)
         if len(ids) > 1 and all(map(key_of.__contains__, ids)):
             for key in map(key_of.pop, ids):
                 del by_key[key]
             self._evictions += len(ids)
             return
-        window_key_of = self._window_key_of
         for page in ids:
             key = key_of.pop(page, None)
             if key is not None:  # (pages another prefix cache registered have none here)
@@ -217,7 +224,7 @@ class PrefixCache:
         if self.disk is None:
             raise NotSupportedError("persist needs a PrefixCache with a disk tier")
         before = self.disk.stats.spilled
-        pages = list(self._key_of_page)
+        pages = [*self._key_of_page, *self._window_key_of]
         step = max(1, self.disk.max_pending_bytes // max(1, self.disk.spec.bytes_per_page) // 2)
         for i in range(0, len(pages), step):  # within the write queue's byte limit
             self._spill(pages[i : i + step], forget=False)
@@ -225,64 +232,127 @@ class PrefixCache:
         return self.disk.stats.spilled - before
 
     def _spill(self, pages: list[int], forget: bool) -> None:
-        """Hand ``pages`` (registered, unchanged in the pool) to the disk tier; with
-        ``forget`` (they are being evicted) their digests are dropped too."""
+        """Hand ``pages`` (registered full or window pages, unchanged in the pool) to the
+        disk tier; with ``forget`` (they are being evicted) their digests are dropped too.
+        Pages registered without a digest (below an evicted page) are not spilled."""
         if not pages:
             return
         digests, parents, chunks, kept = [], [], [], []
         take = self._digests.pop if forget else self._digests.get
+        take_window = self._window_digests.pop if forget else self._window_digests.get
+        key_of, window_key_of = self._key_of_page, self._window_key_of
         for page in pages:
-            entry = take(self._node_of_page[page], None)
+            if page in key_of:
+                entry = take(self._node_of_page[page], None)
+                if entry is not None:
+                    entry = (entry[0], entry[1], key_of[page][1])
+            else:
+                entry = take_window(window_key_of[page], None)
             if entry is not None:
                 digests.append(entry[0])
                 parents.append(entry[1])
-                chunks.append(self._key_of_page[page][1])
+                chunks.append(entry[2])
                 kept.append(page)
         self.disk.spill(digests, parents, chunks, kept)
 
-    def _restore(self, keys: PrefixKeys, start: int) -> list[int]:
-        """Pages ``start, start + 1, ...`` of ``keys`` read back from the disk tier into
-        new pool pages (held once for the caller, registered); stops at the first page
-        the tier lacks, and at the sequence's last token. Best effort: a full pool or a
-        bad file ends it early, and the pages read so far are kept."""
-        limit = max(0, (keys.num_tokens - 1) // keys.page_size)
-        above = self._digests.get(keys.nodes[start - 1] if start else keys.root)
-        if above is None:
-            return []
-        parent = above[0]
-        chain = []
-        for i in range(start, limit):
-            digest = chain_digest(parent, keys.pages[i])
-            if not self.disk.has(digest):
+    def _hit_with_disk(self, keys: PrefixKeys, layout) -> tuple[list[int], dict[int, list[int]] | None]:
+        """The longest prefix of ``keys`` held in RAM or on the disk tier, a reference
+        taken on each of its pages for the caller: (full pages, each sliding spec's
+        pages or None without windows). The RAM part's pages are touched; what the RAM
+        lacks (the full pages after its chain, window pages it evicted) is read back
+        into new pool pages and registered. With windows, the hit ends where every
+        window finds its last pages in one tier or the other.
+
+        Best effort: a file that fails its checks is deleted by the tier and the hit is
+        planned again without it; when the pool cannot take the pages read back, the
+        hit is the RAM part alone. Reads all files before any pool change."""
+        disk, ps = self.disk, self.pool.page_size
+        pages, nodes = self._walk(keys)
+        in_ram = len(pages)
+        windows = _window_keys_of(layout)
+        have = self._window_page
+        digests = [self._digests.get(node, (None,))[0] for node in nodes]
+        above = digests[-1] if nodes else self._digests.get(keys.root, (None,))[0]
+        chain: list[tuple[bytes, bytes]] = []  # (digest, parent digest) of the full pages after RAM's
+        if above is not None:
+            for i in range(in_ram, max(0, (keys.num_tokens - 1) // ps)):
+                digest = chain_digest(above, keys.pages[i])
+                if not disk.has(digest):
+                    break
+                chain.append((digest, above))
+                above = digest
+        digests += [digest for digest, _ in chain]
+
+        loaded: dict[tuple, dict] = {}  # (0: full, or a window key; page index) -> its bytes
+        failed: set[tuple[WindowKey, int]] = set()
+
+        def in_tiers(window: WindowKey, i: int) -> bool:
+            return (i < in_ram and (window, nodes[i]) in have) or (
+                digests[i] is not None and (window, i) not in failed
+                and disk.has(window_digest(window, digests[i])))
+
+        while True:
+            m = self._window_end(in_ram + len(chain), windows, in_tiers)
+            read = [(0, i) for i in range(in_ram, m)]
+            read += [(w, i) for w in windows for i in range(self._first_in_window(m, w[0]), m)
+                     if not (i < in_ram and (w, nodes[i]) in have)]
+            for kind, i in read:
+                if (kind, i) in loaded:
+                    continue
+                if kind == 0:
+                    data = disk.load(*chain[i - in_ram], keys.pages[i])
+                else:
+                    data = disk.load(window_digest(kind, digests[i]), digests[i], keys.pages[i])
+                if data is None:  # (the tier deleted it) plan again without it
+                    if kind == 0:
+                        del chain[i - in_ram :], digests[i:]
+                    failed.add((kind, i))
+                    break
+                loaded[(kind, i)] = data
+            else:
                 break
-            chain.append((digest, parent))
-            parent = digest
-        if not chain:
-            return []
+        m_ram = min(m, in_ram)
+        held = pages[:m_ram] + [have[(w, nodes[i])] for w in windows for i in range(self._first_in_window(m, w[0]), m)
+                                if i < in_ram and (w, nodes[i]) in have]
+        allocator = self.pool.allocator
+        if held:
+            allocator.touch(held)
+        new: list[int] = []
         try:
-            pages = [int(p) for p in self.pool.allocator.allocate(len(chain))]
-        except PoolExhausted:
-            return []
-        found = []
-        for i, (digest, parent) in enumerate(chain):
-            data = self.disk.load(digest, parent, keys.pages[start + i])
-            if data is None:
-                break
-            found.append(data)
-        if len(found) < len(pages):
-            self.pool.allocator.decref(pages[len(found) :])
-            pages = pages[: len(found)]
-        if not found:
-            return []
-        try:
-            self.pool.write_pages(pages, {n: np.concatenate([d[n] for d in found]) if len(found) > 1 else found[0][n]
-                                          for n in found[0]})
-            self._register(pages, start, keys)
-        except BaseException:  # (refusals change nothing; give the new pages back)
-            self.pool.allocator.decref(pages)
+            if read:
+                try:
+                    new = allocator.allocate(len(read)).tolist()
+                except PoolExhausted:  # the RAM part alone
+                    if held:
+                        allocator.decref(held)
+                        held = []
+                    return self._hit_in_ram(keys, layout)
+                self.pool.write_pages(new, {name: np.concatenate([loaded[item][name] for item in read])
+                                            for name in loaded[read[0]]})
+            keys.nodes = nodes[:m_ram]
+            restored = m - m_ram
+            if restored:
+                self._register(new[:restored], m_ram, keys)
+            for w in windows:
+                mine = [(i, page, (w, keys.nodes[i])) for (kind, i), page in zip(read, new) if kind == w]
+                if mine:
+                    self._file_window_pages(w, mine, keys)
+        except BaseException:
+            allocator.decref(held + new)
             raise
-        self._disk_hit_pages += len(pages)
-        return pages
+        self._disk_hit_pages += restored
+        pages = pages[:m_ram] + new[:restored]
+        return pages, self._window_pages(keys.nodes, layout) if windows else None
+
+    def _hit_in_ram(self, keys: PrefixKeys, layout) -> tuple[list[int], dict[int, list[int]] | None]:
+        """``_hit_with_disk`` without the disk tier: ``match``, a reference taken on each
+        page."""
+        pages = self.match(keys)
+        window_pages = self._window_pages(keys.nodes, layout) if self.windows else None
+        if pages:
+            held = pages + [p for run in window_pages.values() for p in run] if window_pages else pages
+            self.pool.allocator.touch(held)  # one reference each; revives CACHED pages
+        return pages, window_pages
 
     # ------------------------------------------------------------------ lookups
     def match(self, tokens: TokensOrKeys) -> list[int]:
@@ -292,17 +362,7 @@ class PrefixCache:
         ``PrefixKeys``, records the matched pages' nodes in it for ``register``.
         """
         keys = self._keys_of(tokens)
-        get, node_of = self._by_key.get, self._node_of_page
-        parent = keys.root
-        pages: list[int] = []
-        nodes: list[int] = []
-        for chunk in islice(keys.pages, max(0, (keys.num_tokens - 1) // keys.page_size)):
-            page = get((parent, chunk))
-            if page is None:
-                break
-            parent = node_of[page]
-            pages.append(page)
-            nodes.append(parent)
+        pages, nodes = self._walk(keys)
         if self.state_pool is not None:  # a hybrid hit ends where a state was kept
             checkpoint = self._checkpoint
             while nodes and nodes[-1] not in checkpoint:
@@ -314,6 +374,21 @@ class PrefixCache:
         keys.nodes = nodes
         return pages
 
+    def _walk(self, keys: PrefixKeys) -> tuple[list[int], list[int]]:
+        """The cached full pages of ``keys``' longest prefix in RAM, and their nodes."""
+        get, node_of = self._by_key.get, self._node_of_page
+        parent = keys.root
+        pages: list[int] = []
+        nodes: list[int] = []
+        for chunk in islice(keys.pages, max(0, (keys.num_tokens - 1) // keys.page_size)):
+            page = get((parent, chunk))
+            if page is None:
+                break
+            parent = node_of[page]
+            pages.append(page)
+            nodes.append(parent)
+        return pages, nodes
+
     def _first_in_window(self, num_pages: int, window: int) -> int:
         """Index of the first page a query after ``num_pages`` full pages sees."""
         ps = self.pool.page_size
@@ -321,14 +396,18 @@ class PrefixCache:
 
     def _window_hit(self, nodes: list[int]) -> int:
         """The most pages of the chain ``nodes`` after which every window finds the
-        pages its next query sees. A page missing at index i rules out every end after
-        it, so the search goes on from i: O(pages checked)."""
+        pages its next query sees in RAM."""
         have = self._window_page
-        m = len(nodes)
+        return self._window_end(len(nodes), self._window_keys, lambda window, i: (window, nodes[i]) in have)
+
+    def _window_end(self, m: int, windows: Sequence[WindowKey], found) -> int:
+        """The most pages, at most ``m``, after which every window finds the pages its
+        next query sees (``found(window key, page index)``). A page missing at index i
+        rules out every end after it, so the search goes on from i: O(pages checked)."""
         while m:
-            for window in self.windows:
-                missing = next((i for i in range(m - 1, self._first_in_window(m, window) - 1, -1)
-                                if (window, nodes[i]) not in have), None)
+            for window in windows:
+                missing = next((i for i in range(m - 1, self._first_in_window(m, window[0]) - 1, -1)
+                                if not found(window, i)), None)
                 if missing is not None:
                     m = missing
                     break
@@ -339,7 +418,7 @@ class PrefixCache:
     def _window_pages(self, nodes: list[int], layout) -> dict[int, list[int]]:
         """For each sliding spec of ``layout``, its pages at the end of ``nodes``."""
         have, m = self._window_page, len(nodes)
-        return {s: [have[(spec.window, node)] for node in nodes[self._first_in_window(m, spec.window) :]]
+        return {s: [have[((spec.window, spec.group), node)] for node in nodes[self._first_in_window(m, spec.window) :]]
                 for s, spec in enumerate(layout.specs) if spec.window is not None}
 
     def _check_layout(self, layout) -> None:
@@ -348,10 +427,10 @@ class PrefixCache:
         if sum(spec.window is None for spec in specs) != 1 or any(spec.pool is not self.pool for spec in specs):
             raise NotSupportedError("prefix caching serves models with one full-attention table in the prefix "
                                     "cache's pool (and sliding-window tables there too)")
-        missing = {spec.window for spec in specs if spec.window is not None} - set(self.windows)
+        missing = set(_window_keys_of(layout)) - set(self._window_keys)
         if missing:
-            raise NotSupportedError(f"the model has sliding windows {sorted(missing)} that this prefix cache was "
-                                    f"not made for: PrefixCache(pool, windows=...)")
+            raise NotSupportedError(f"the model has sliding windows (size, group) {sorted(missing)} that this "
+                                    "prefix cache was not made for: PrefixCache(pool, windows=layout.windows)")
 
     def new_cache(self, model, tokens: TokensOrKeys) -> tuple[PagedPromptCache, list[int]]:
         """A one-sequence cache already holding the longest cached prefix of ``tokens``.
@@ -361,7 +440,6 @@ class PrefixCache:
         keys = self._keys_of(tokens)
         if keys.num_tokens == 0:
             raise InvalidValueError("a request needs at least one token")
-        pages = self.match(keys)
         cache = make_paged_cache(model, self.pool, state_pool=self.state_pool)
         try:
             self._check_layout(cache.rows.layout)
@@ -373,18 +451,12 @@ class PrefixCache:
             raise InvalidValueError("a prefix cache with a state_pool serves hybrid models, and only those")
         self._queries += 1
         self._query_tokens += keys.num_tokens
-        window_pages = self._window_pages(keys.nodes, cache.rows.layout) if self.windows else None
-        if pages:
-            held = pages + [p for run in window_pages.values() for p in run] if window_pages else pages
-            self.pool.allocator.touch(held)  # one reference each; revives CACHED pages
-        if self.disk is not None:
-            try:
-                pages = pages + self._restore(keys, len(pages))  # (already held once each)
-            except BaseException:
-                if pages:
-                    self.pool.allocator.decref(pages)
-                cache.release()
-                raise
+        try:
+            pages, window_pages = (self._hit_in_ram if self.disk is None else self._hit_with_disk)(
+                keys, cache.rows.layout)
+        except BaseException:
+            cache.release()
+            raise
         if pages:
             slot = None
             if self.state_pool is not None:
@@ -429,7 +501,7 @@ class PrefixCache:
         added = self._register_table(table, keys)
         for s, spec in enumerate(specs):
             if spec.window is not None:
-                added += self._register_window(rows.tables(s)[row], spec.window, keys)
+                added += self._register_window(rows.tables(s)[row], (spec.window, spec.group), keys)
         states, n = rows.states, table.num_tokens
         if (self.state_pool is not None and states is not None and states.pool is self.state_pool
                 and n and n % self.checkpoint_tokens == 0 and not states.in_step
@@ -442,7 +514,7 @@ class PrefixCache:
                     self._node_of_slot[slot] = node
         return added
 
-    def _register_window(self, table: PageTable, window: int, keys: PrefixKeys) -> int:
+    def _register_window(self, table: PageTable, window: WindowKey, keys: PrefixKeys) -> int:
         """File the full pages a sliding table still holds under the nodes of the pages
         at the same indices (``keys.nodes``, from registering the full table). A page
         whose (window, node) is filed already, or that is filed under another node, is
@@ -458,13 +530,27 @@ class PrefixCache:
         for i, page in enumerate(table.page_ids(first, end).tolist(), first):
             key = (window, nodes[i])
             if key not in have and page not in key_of:
-                new.append((page, key))
+                new.append((i, page, key))
         if new:
-            self._set_cacheable([page for page, _ in new])  # may refuse: nothing has changed yet
-            for page, key in new:
-                have[key] = page
-                key_of[page] = key
+            self._file_window_pages(window, new, keys)
         return len(new)
+
+    def _file_window_pages(self, window: WindowKey, new: list[tuple[int, int, tuple[WindowKey, int]]],
+                           keys: PrefixKeys) -> None:
+        """File window pages ``(page index, page, key)``; with a disk tier, each gets its
+        digest (none below a page without one). Marks them cacheable (which checks that
+        they are held) before anything is filed."""
+        self._set_cacheable([page for _, page, _ in new])  # may refuse: nothing has changed yet
+        have, key_of = self._window_page, self._window_key_of
+        for _, page, key in new:
+            have[key] = page
+            key_of[page] = key
+        if self.disk is not None:
+            digests = self._digests
+            for i, _, key in new:
+                entry = digests.get(key[1])  # (the node's digest, its parent's)
+                if entry is not None:
+                    self._window_digests[key] = (window_digest(window, entry[0]), entry[0], keys.pages[i])
 
     def _register_table(self, table: PageTable, tokens: TokensOrKeys) -> int:
         if not isinstance(table, PageTable):
@@ -800,6 +886,11 @@ class PrefixCache:
             cached_state_bytes=0 if self.state_pool is None
             else self.state_pool.allocator.num_cached() * self.state_pool.bytes_per_slot,
         )
+
+
+def _window_keys_of(layout) -> list[WindowKey]:
+    """The (window, group) of each sliding table spec of ``layout``, ascending."""
+    return sorted((spec.window, spec.group) for spec in layout.specs if spec.window is not None)
 
 
 def _extra(extra_keys: bytes | str) -> bytes:

@@ -84,11 +84,13 @@ _SHARED_KINDS = ("view", "plain", "quant")
 @attrs.frozen
 class TableSpec:
     """One page table per row lives in ``pool``; ``window`` None means full attention;
-    ``rewind``: tokens a windowed table keeps behind its window (``PageTable``)."""
+    ``rewind``: tokens a windowed table keeps behind its window (``PageTable``);
+    ``group``: which of the groups of layers of this kind (``layout_for``) it serves."""
 
     pool: PagePool = attrs.field(eq=id)  # the same pool, not an equal one
     window: int | None
     rewind: int = 0
+    group: int = 0
 
 
 @attrs.frozen
@@ -143,8 +145,9 @@ class LayerLayout:
 
     @property
     def windows(self) -> tuple[int, ...]:
-        """The sliding-window sizes of the attention layers, each once, ascending."""
-        return tuple(sorted({spec.window for spec in self.specs if spec.window is not None}))
+        """The window size of each sliding-window table spec, ascending (a size is listed
+        once per group of layers with that window)."""
+        return tuple(sorted(spec.window for spec in self.specs if spec.window is not None))
 
     def slot_kinds(self) -> list[tuple[str, int]]:
         """Per cache slot, in order: ("kv", attention layer) or ("state", recurrent layer)."""

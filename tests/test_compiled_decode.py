@@ -6,7 +6,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import LOGITS_ATOL, PAGE_KINDS, make_model, make_pool, prompt_of
+from tiny_models import (
+    CONFIGS,
+    LOGITS_ATOL,
+    PAGE_KINDS,
+    kv_dims,
+    make_model,
+    make_pool,
+    model_of_config,
+    prompt_of,
+)
 
 from pagedkv import (
     CompiledDecode,
@@ -14,8 +23,10 @@ from pagedkv import (
     KvShapeError,
     NotSupportedError,
     PagedBatch,
+    PagePool,
     PoolExhausted,
     ReleasedError,
+    kv_pool_layers,
     make_paged_cache,
 )
 
@@ -83,21 +94,29 @@ def test_compiled_steps_match_the_eager_batch_and_leave_the_same_rows(pages, loo
     assert comp_pool.allocator.num_available() == eager_pool.allocator.num_available()
 
 
-@pytest.mark.parametrize("kind, lookahead", [("gemma3_text", True), ("gemma3_text", False), ("gemma3n", True)])
+@pytest.mark.parametrize("kind, lookahead", [("gemma3_text", True), ("gemma3_text", False), ("gemma3n", True),
+                                           ("gemma3_text groups", True)])
 def test_compiled_steps_of_a_sliding_window_model_match_the_eager_batch_and_its_dropped_pages(kind, lookahead):
     """gemma3_text and gemma3n (window 12 on most layers, pages of 4; gemma3n's last two
     layers read the K/V of earlier layers' caches): rows longer than the window and rows
     that grow past it. Each step gives the eager step's logits and tokens and leaves
     every table kind's pages, dropped ones included, as the eager step does; a drop
     alone copies no table, so with lookahead the state goes to the device about once
-    per page of steps; every page comes back."""
-    model = make_model(kind)
+    per page of steps; every page comes back. "groups": 4 sliding layers and 2 full on
+    a two-layer pool (``kv_pool_layers``), so two sliding tables per row."""
+    if kind.endswith("groups"):
+        model = model_of_config(dict(CONFIGS["gemma3_text"], num_hidden_layers=6, sliding_window_pattern=3))
+        _, heads, head_dim = kv_dims("gemma3_text")
+        eager_pool, comp_pool = (PagePool(num_layers=kv_pool_layers(model), num_kv_heads=heads, head_dim=head_dim,
+                                          page_size=4, num_pages=96, dtype=mx.float32) for _ in range(2))
+    else:
+        model = make_model(kind)
+        eager_pool = make_pool(kind, page_size=4, num_pages=96)
+        comp_pool = make_pool(kind, page_size=4, num_pages=96)
     lengths = [5, 13, 30]
-    eager_pool = make_pool(kind, page_size=4, num_pages=96)
-    comp_pool = make_pool(kind, page_size=4, num_pages=96)
     eager, compiled = batch_of(model, eager_pool, lengths), batch_of(model, comp_pool, lengths)
     layout = compiled.rows.layout
-    assert layout.has_windows
+    assert layout.has_windows and (len(layout.specs) == 3) == kind.endswith("groups")
     step = CompiledDecode(model, compiled, bucket=2, lookahead=lookahead)
 
     def tables(batch):

@@ -1,7 +1,8 @@
 """The disk tier under ``PrefixCache``: evicted pages come back from disk with outputs
 equal to decoding alone, a restarted process hits them, a writer killed mid-write
 leaves only whole files, bad files are misses (deleted, counted), another model's
-directory is refused, and the byte budget holds."""
+directory is refused, and the byte budget holds. A sliding-window model's window pages
+go to disk and come back beside its full pages."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import kv_dims, make_model
+from tiny_models import CONFIGS, kv_dims, make_model, model_of_config, prompt_of
+from tiny_models import make_pool as tiny_pool
 
-from pagedkv import PagePool, PrefixCache
-from pagedkv.disk_tier import SUFFIX, DiskTier
+from pagedkv import PagePool, PrefixCache, kv_pool_layers, layout_for
+from pagedkv.disk_tier import SUFFIX, DiskTier, window_digest
 from pagedkv.errors import KvFileMismatchError
 from pagedkv.generation import generate
 from pagedkv.page_file import read_pages_file
@@ -82,6 +85,34 @@ def test_evicted_pages_come_back_from_disk_and_give_the_same_tokens(model, tmp_p
     disk.close()
 
 
+def test_pages_still_queued_for_writing_are_hits_served_from_memory(model, tmp_path, monkeypatch):
+    """The writer held back until the hit is over: the evicted pages come back from the
+    write queue (they were dropped as bad files before: the queued record lacked the
+    page count a file has)."""
+    import pagedkv.disk_tier as disk_tier
+
+    release = threading.Event()
+    write = disk_tier.write_pages_file
+
+    def held_back(*args, **kwargs):
+        release.wait(60)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(disk_tier, "write_pages_file", held_back)
+    pool = make_pool()
+    disk = DiskTier(tmp_path, pool, max_bytes=1 << 30, model_id="tiny")
+    prefix = PrefixCache(pool, disk=disk)
+    run(model, prefix, PROMPT)
+    pool.allocator.evict(pool.allocator.num_cached())
+    assert disk.stats.written == 0 and disk.stats.spilled == 8
+    got, cached = run(model, prefix, PROMPT)
+    assert got == solo(model, PROMPT) and cached == 28
+    assert disk.stats.restored == 7 and disk.stats.bad_files == 0
+    release.set()
+    assert disk.flush(30) and disk.stats.written == 8
+    disk.close()
+
+
 def test_a_restarted_process_hits_the_pages_an_earlier_one_persisted(model, tmp_path):
     persisted(model, tmp_path)
     pool2 = make_pool()
@@ -130,8 +161,9 @@ WRITER = r'''
 import sys
 sys.path.insert(0, "tests")
 import mlx.core as mx
-from tiny_models import kv_dims, make_model
-from pagedkv import PagePool, PrefixCache
+from tiny_models import CONFIGS, kv_dims, make_model, model_of_config, prompt_of
+from tiny_models import make_pool as tiny_pool
+from pagedkv import PagePool, PrefixCache, kv_pool_layers, layout_for
 from pagedkv.disk_tier import DiskTier
 from pagedkv.generation import prefill
 model = make_model("llama")
@@ -196,3 +228,122 @@ def test_a_page_registered_below_an_evicted_page_is_filed_without_a_digest(tmp_p
     alloc.decref(page + duplicate)
     alloc.check()
     disk.close()
+
+
+WINDOWED = prompt_of(29, seed=4)  # gemma3_text, window 12, pages of 4: 7 full pages + 1 token
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return make_model("gemma3_text")
+
+
+@pytest.fixture(scope="module")
+def gemma_groups():
+    """4 sliding layers, 2 full: on a pool of 2 layers, two groups of sliding layers."""
+    return model_of_config(dict(CONFIGS["gemma3_text"], num_hidden_layers=6, sliding_window_pattern=3))
+
+
+def windowed_tier(directory, num_pages=48, model=None):
+    """A pool for ``model`` (``kv_pool_layers``; default tiny gemma3_text's 4 layers), its
+    disk tier and its prefix cache."""
+    pool = tiny_pool("gemma3_text", page_size=4, num_pages=num_pages)
+    if model is not None:
+        pool = PagePool(num_layers=kv_pool_layers(model), num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                        page_size=4, num_pages=num_pages, dtype=mx.float32)
+    disk = DiskTier(directory, pool, max_bytes=1 << 30, model_id="tiny-gemma")
+    windows = (12,) if model is None else layout_for(model, pool).windows
+    return pool, disk, PrefixCache(pool, disk=disk, windows=windows)
+
+
+def windowed_run(model, prefix, tokens, n=5):
+    """``run`` for a sliding-window model: the pages are also registered right after the
+    prefill, while the sliding table still holds them (the engine registers after each
+    prefill chunk)."""
+    cache, rest = prefix.new_cache(model, tokens)
+    try:
+        if len(rest) > 1:
+            model(mx.array(rest[:-1])[None], cache=cache)
+        prefix.register(cache, tokens)
+        out = list(generate(model, cache, rest[-1:], max_tokens=n))
+        prefix.register(cache, tokens + out)
+        return out, len(tokens) - len(rest)
+    finally:
+        cache.release()
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_a_sliding_window_models_evicted_pages_come_back_from_disk_and_give_the_same_tokens(
+        gemma, gemma_groups, groups, tmp_path):
+    """Every cached page evicted: the hit takes its 7 full pages and, per group of
+    sliding layers, the 3 window pages a query after them sees (pages 4-6) from disk,
+    and decodes what mlx-lm's caches decode."""
+    model = gemma if groups == 1 else gemma_groups
+    pool, disk, prefix = windowed_tier(tmp_path, num_pages=64, model=None if groups == 1 else model)
+    assert windowed_run(model, prefix, WINDOWED) == (solo(model, WINDOWED), 0)
+    pool.allocator.evict(pool.allocator.num_cached())
+    assert disk.flush(30)
+    got, cached = windowed_run(model, prefix, WINDOWED)
+    assert got == solo(model, WINDOWED) and cached == 28
+    assert prefix.stats().disk_hit_pages == 7 and disk.stats.restored == 7 + 3 * groups
+    assert pool.allocator.num_in_use() == 0
+    pool.allocator.check()
+    disk.close()
+
+
+def test_a_window_page_evicted_alone_comes_back_from_disk_beside_the_full_pages_in_ram(gemma, tmp_path):
+    pool, disk, prefix = windowed_tier(tmp_path)
+    cache, rest = prefix.new_cache(gemma, WINDOWED)
+    gemma(mx.array(rest[:-1])[None], cache=cache)
+    prefix.register(cache, WINDOWED)
+    victim = next(t for t in cache.tables if t.window is not None).page_at(5)
+    cache.release()
+    cached = [p for p in pool.allocator.cached_pages() if p != victim]
+    pool.allocator.touch(cached)  # every cached page but the victim in use: it is the one evicted
+    assert pool.allocator.evict(1) == [victim]
+    pool.allocator.decref(cached)
+    assert disk.flush(30) and disk.stats.written == 1
+    assert len(prefix.match(WINDOWED)) == 5  # RAM alone: a query after page 5 or 6 would need the victim
+    got, hit = windowed_run(gemma, prefix, WINDOWED)
+    assert hit == 28 and got == solo(gemma, WINDOWED)
+    assert prefix.stats().disk_hit_pages == 0 and disk.stats.restored == 1
+    assert pool.allocator.num_in_use() == 0
+    pool.allocator.check()
+    disk.close()
+
+
+def test_a_restarted_process_hits_a_sliding_window_models_pages_and_a_bad_window_file_ends_the_hit_early(
+        gemma, tmp_path):
+    """``persist`` writes the window pages too; a new process hits all 7 pages. With the
+    file of window page 5 corrupted, the hit ends after page 5 (a query after page 6 or 7
+    sees page 5; one after page 5 sees pages 2-4) and the bad file is deleted."""
+    pool, disk, prefix = windowed_tier(tmp_path)
+    windowed_run(gemma, prefix, WINDOWED)
+    assert prefix.persist() == prefix.stats().registered_pages
+    disk.close()
+
+    pool2, disk2, prefix2 = windowed_tier(tmp_path)
+    got, cached = windowed_run(gemma, prefix2, WINDOWED)
+    assert cached == 28 and got == solo(gemma, WINDOWED)
+    disk2.close()
+
+    chain = []  # the full pages' digests, in order
+    parent = None
+    metas = {f: read_pages_file(f, disk2.spec)[1] for f in tmp_path.glob("*" + SUFFIX)}
+    by_parent = {m["parent"]: m["digest"] for m in metas.values()
+                 if m["digest"] != window_digest((12, 0), bytes.fromhex(m["parent"])).hex()}
+    parent = next(p for p in by_parent if p not in by_parent.values())  # the root digest
+    while parent in by_parent:
+        parent = by_parent[parent]
+        chain.append(parent)
+    bad = tmp_path / (window_digest((12, 0), bytes.fromhex(chain[5])).hex() + SUFFIX)
+    data = bytearray(bad.read_bytes())
+    data[-7] ^= 0xFF
+    bad.write_bytes(bytes(data))
+    pool3, disk3, prefix3 = windowed_tier(tmp_path)
+    got, cached = windowed_run(gemma, prefix3, WINDOWED)
+    assert cached == 20 and got == solo(gemma, WINDOWED)
+    assert disk3.stats.bad_files == 1 and not bad.exists()
+    assert pool3.allocator.num_in_use() == 0
+    pool3.allocator.check()
+    disk3.close()

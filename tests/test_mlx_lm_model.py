@@ -84,23 +84,12 @@ def test_serve_runs_a_sliding_window_family_directory_with_prefix_hits(smollm2, 
     window, so the sliding layers give pages back while the server decodes; a second
     turn starts from the first turn's pages (its full layer's from the start, its
     sliding layers' at the end) and still decodes as the model alone."""
-    from mlx_lm.models import gemma3_text
     from openai import OpenAI
     from test_openai_server import solo, start_server, stop_server
 
-    from pagedkv.loaded_model import LoadedModel
-    from pagedkv.mlx_lm_model import load_mlx_lm, save_mlx_lm
+    from pagedkv.mlx_lm_model import load_mlx_lm
 
-    mx.random.seed(0)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(dict(
-        model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, sliding_window=8,
-        sliding_window_pattern=6, vocab_size=smollm2.model.args.vocab_size, max_position_embeddings=2048,
-        rope_theta=10000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=16)))
-    mx.eval(model.parameters())
-    lm = LoadedModel(model=model, tokenizer=smollm2.tokenizer, chat_template=smollm2.chat_template,
-                     eos_token_ids=smollm2.eos_token_ids, num_layers=6, num_kv_heads=1, head_dim=16)
-    path = save_mlx_lm(lm, tmp_path / "gemma3-tiny")
+    path = _gemma3_tiny_dir(smollm2, tmp_path)
     proc, url = start_server("--pool-bytes", str(4 << 20), "--page-size", "4", model=str(path))
     try:
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
@@ -119,6 +108,58 @@ def test_serve_runs_a_sliding_window_family_directory_with_prefix_hits(smollm2, 
         output: list[str] = []
         assert stop_server(proc, output) == "engine stopped: 0 KV pages in use, "
     assert "prefix caching off" not in output[0]
+
+
+@needs_server
+@pytest.mark.slow
+def test_a_restarted_server_hits_a_sliding_window_models_pages_from_its_disk_tier(smollm2, tmp_path):
+    """gemma3_text (window 8, pages of 4) served with ``--disk-tier``: the pages the first
+    server leaves (its full layer's and its sliding layers' last ones) are on disk when
+    it stops, and a restarted server answers the same prompt from them with every full
+    page cached, as the model alone decodes it."""
+    from openai import OpenAI
+    from test_openai_server import solo, start_server, stop_server
+
+    from pagedkv.mlx_lm_model import load_mlx_lm
+
+    path = _gemma3_tiny_dir(smollm2, tmp_path)
+    served = load_mlx_lm(path)
+    prompt = "Once upon a time, in a land far away, there lived a king who had three daughters"
+    answers = []
+    for _ in range(2):  # the second server is a restart on the same directory
+        proc, url = start_server("--pool-bytes", str(4 << 20), "--page-size", "4", "--disk-tier",
+                                 str(tmp_path / "disk"), model=str(path))
+        try:
+            client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+            got = client.completions.create(model="gemma3-tiny", prompt=prompt, max_tokens=12, temperature=0)
+            answers.append((got.choices[0].text, got.usage.prompt_tokens_details.cached_tokens))
+        finally:
+            output: list[str] = []
+            assert stop_server(proc, output) == "engine stopped: 0 KV pages in use, "
+        assert "disk tier off" not in output[0]
+    tokens = served.encode(prompt)
+    assert answers[0][1] == 0 and answers[1][1] == (len(tokens) - 1) // 4 * 4 > 8  # past the window
+    assert answers[0][0] == answers[1][0] == solo(served, tokens, 12)[0]
+
+
+def _gemma3_tiny_dir(smollm2, tmp_path):
+    """An mlx-lm directory of a gemma3_text model (window 8 on 5 of 6 layers, random
+    weights, SmolLM2's tokenizer), served as "gemma3-tiny"."""
+    from mlx_lm.models import gemma3_text
+
+    from pagedkv.loaded_model import LoadedModel
+    from pagedkv.mlx_lm_model import save_mlx_lm
+
+    mx.random.seed(0)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=6, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-6, sliding_window=8,
+        sliding_window_pattern=6, vocab_size=smollm2.model.args.vocab_size, max_position_embeddings=2048,
+        rope_theta=10000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=16)))
+    mx.eval(model.parameters())
+    lm = LoadedModel(model=model, tokenizer=smollm2.tokenizer, chat_template=smollm2.chat_template,
+                     eos_token_ids=smollm2.eos_token_ids, num_layers=6, num_kv_heads=1, head_dim=16)
+    return save_mlx_lm(lm, tmp_path / "gemma3-tiny")
 
 
 def _family_dirs() -> dict:

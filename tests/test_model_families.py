@@ -276,10 +276,19 @@ def test_a_hybrid_family_whose_states_do_not_count_tokens_is_refused_by_its_stat
 
 @pytest.mark.parametrize("family", ["cohere2", "gpt_oss", "olmo3"])
 def test_pools_for_model_sizes_a_sliding_window_family_that_then_decodes_as_mlx_lm(family):
+    """The pool has a layer per full-attention layer, fewer than the model's layers: each
+    kind (full attention, sliding window) is cut into groups of that many layers, a table
+    each, so a full-attention page keeps no room for the sliding layers."""
+    from pagedkv.cache import kv_pool_layers, layout_for
+
     model = family_model(family, FAMILIES[family])
     pool, states = pools_for_model(model, max_bytes=1 << 20, page_size=4)
     ref_cache = make_prompt_cache(model)
-    assert states is None and pool.num_layers == len(ref_cache)
+    kinds = [None if type(c).__name__ == "KVCache" else c.max_size for c in ref_cache]
+    assert states is None and pool.num_layers == kv_pool_layers(model) == kinds.count(None)
+    layout = layout_for(model, pool)
+    assert len(layout.specs) == sum(-(-kinds.count(k) // pool.num_layers) for k in set(kinds))
+    assert pool.num_layers < len(ref_cache)
     with make_paged_cache(model, pool) as cache:
         tokens, _ = greedy(model, prompt_of(30), cache, 12)  # past the window (12): its pages go back
     assert tokens == greedy(model, prompt_of(30), ref_cache, 12)[0]

@@ -3,10 +3,19 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny_models import CONFIGS, PAGE_KINDS, make_model, make_pool, model_of_config, prompt_of
+from tiny_models import (
+    CONFIGS,
+    PAGE_KINDS,
+    kv_dims,
+    make_model,
+    make_pool,
+    model_of_config,
+    prompt_of,
+)
 
 from pagedkv import (
     NotSupportedError,
+    PagePool,
     PrefixCache,
     StatePool,
     can_admit,
@@ -440,6 +449,19 @@ def _prefilled(model, prefix, tokens):
     return cache, tokens[-1:]
 
 
+def _second_prompt_of_a_shared_system_prompt(model, prefix):
+    """A first prompt (a 30-token system prompt + 6) runs and leaves its pages; returns
+    (the cache ``new_cache`` gives a second prompt with the same system prompt, the
+    tokens it still has to run, the second prompt)."""
+    system = prompt_of(30, seed=3)
+    cache, last = _prefilled(model, prefix, system + prompt_of(6, seed=1))
+    run(model, cache, last)
+    cache.release()
+    second = system + prompt_of(9, seed=2)
+    cache, rest = prefix.new_cache(model, second)
+    return cache, rest, second
+
+
 def test_a_sliding_window_models_outputs_with_prefix_caching_equal_outputs_without():
     """gemma3_text (window 12, pages of 4): a second prompt sharing a 30-token system
     prompt takes its 7 full pages in the full-attention table and only the window's last
@@ -448,14 +470,7 @@ def test_a_sliding_window_models_outputs_with_prefix_caching_equal_outputs_witho
     model = make_model("gemma3_text")
     pool = make_pool("gemma3_text", page_size=4, num_pages=128)
     prefix = PrefixCache(pool, windows=[12])
-    system = prompt_of(30, seed=3)
-    first = system + prompt_of(6, seed=1)
-    cache, last = _prefilled(model, prefix, first)
-    run(model, cache, last)
-    cache.release()
-
-    second = system + prompt_of(9, seed=2)
-    cache, rest = prefix.new_cache(model, second)
+    cache, rest, second = _second_prompt_of_a_shared_system_prompt(model, prefix)
     assert len(rest) == len(second) - 28  # 7 full pages came from the cache
     full, sliding = sorted(cache.tables, key=lambda t: t.window is not None)
     assert full.num_pages == 7 and sliding.first_visible() == 16 and sliding.num_pages == 3
@@ -508,4 +523,41 @@ def test_a_sliding_window_hit_ends_where_every_window_page_it_needs_is_cached():
         PrefixCache(pool, windows=(12,), state_pool=StatePool.for_model(make_model("qwen3_next"), num_slots=2))
     with pytest.raises(ValueError):
         PrefixCache(pool, windows=(0,))
+    pool.allocator.check()
+
+
+def test_a_pool_with_a_layer_per_layer_of_the_smallest_kind_serves_hits_as_mlx_lm_in_fewer_bytes():
+    """gemma3_text with 4 sliding layers and 2 full ones on a two-layer pool
+    (``kv_pool_layers``): the sliding layers form two groups of two, each its own table,
+    so a row has three tables and every page's two layers are written. A second prompt
+    sharing a system prompt hits in every table and decodes as mlx-lm's own caches; the
+    pages a long sequence holds take under half the bytes they take on a pool with a
+    layer per model layer, where a full-attention page keeps room for the sliding layers."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from pagedkv.cache import kv_pool_layers, layout_for
+
+    model = model_of_config(dict(CONFIGS["gemma3_text"], num_hidden_layers=6, sliding_window_pattern=3))
+    assert kv_pool_layers(model) == 2
+    _, heads, head_dim = kv_dims("gemma3_text")
+    pool = PagePool(num_layers=2, num_kv_heads=heads, head_dim=head_dim, page_size=4, num_pages=160,
+                    dtype=mx.float32)
+    layout = layout_for(model, pool)
+    assert [(s.window, s.group) for s in layout.specs] == [(12, 0), (None, 0), (12, 1)]
+    assert [layer for _, layer in layout.layers] == [0, 1, 0, 0, 1, 1]
+    prefix = PrefixCache(pool, windows=layout.windows)
+    cache, rest, second = _second_prompt_of_a_shared_system_prompt(model, prefix)
+    assert len(rest) == len(second) - 28 and len(cache.tables) == 3
+    assert sorted(t.num_pages for t in cache.tables) == [3, 3, 7]  # each group's window pages, the full ones
+    assert run(model, cache, rest) == run(model, make_prompt_cache(model), second)
+    used = pool.allocator.num_in_use() * pool.bytes_per_page
+    cache.release()
+
+    wide = PagePool(num_layers=6, num_kv_heads=heads, head_dim=head_dim, page_size=4, num_pages=160,
+                    dtype=mx.float32)
+    with make_paged_cache(model, wide) as plain:
+        run(model, plain, second)
+        assert len(plain.tables) == 2
+        assert used * 2 < wide.allocator.num_in_use() * wide.bytes_per_page
+    assert pool.allocator.num_in_use() == 0
     pool.allocator.check()

@@ -7,8 +7,11 @@ token ids per layer, and prefix-cache pages (keyed by token ids) hold the same v
 After every rule: the allocator's invariant holds; every live sequence, batch row and
 view reads exactly its reference; a call that raised left everything byte-for-byte as it
 was (or, for a failed step, as before the step); every released or moved cache raises
-``ReleasedError``.
+``ReleasedError``. A variant puts a disk tier under the prefix cache.
 """
+
+import shutil
+import tempfile
 
 import hypothesis.strategies as st
 import mlx.core as mx
@@ -32,6 +35,7 @@ from pagedkv import (
     TrimError,
     rotated,
 )
+from pagedkv.disk_tier import DiskTier
 
 D, PS, W = 32, 3, 5
 PREFIX = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # shared prompt start, so prefix hits happen
@@ -69,13 +73,17 @@ class Sequences(FilterBatchRule, RuleBasedStateMachine):
         self.pool = PagePool(num_layers=2, num_kv_heads=1, head_dim=D, page_size=PS, num_pages=14,
                              dtype=mx.float32, cache_limit=None, k_codec=self.codecs[0],
                              v_codec=self.codecs[1])
-        self.prefix = PrefixCache(self.pool, windows=(W,))
+        self.disk = self.make_disk()
+        self.prefix = PrefixCache(self.pool, windows=(W,), disk=self.disk)
         self.seqs = []  # (prompt cache, [ids per layer], full_only)
         self.dead = []  # released or moved prompt caches
         self.views = []  # (view, ids it must show)
         self.batch = PagedBatch(self.pool, 2)
         self.rows = []  # ids of each batch row
         self.next_id = 20
+
+    def make_disk(self) -> DiskTier | None:
+        return None
 
     # ------------------------------------------------------------------ helpers
     def _fresh(self, n):
@@ -337,7 +345,30 @@ class QuantizedSequences(Sequences):
     codecs = (AffineQuant(8, 32), rotated(4, D, 32))  # K read back to +-0.01; V rotated
 
 
+class DiskSequences(Sequences):
+    """The same with a disk tier under the prefix cache: evicted full and window pages
+    are spilled, and a later hit that runs out of RAM pages reads them back (from the
+    write queue or from their files), so they must read the ids they were written with."""
+
+    def make_disk(self) -> DiskTier:
+        self.directory = tempfile.mkdtemp(prefix="pagedkv-disk-")
+        return DiskTier(self.directory, self.pool, max_bytes=1 << 24)
+
+    @rule()
+    def evict_every_cached_page(self):
+        self.pool.allocator.evict(self.pool.allocator.num_cached())
+
+    def teardown(self):
+        try:
+            super().teardown()
+        finally:
+            self.disk.close()
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
 TestSequences = Sequences.TestCase
 TestSequences.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+TestDiskSequences = DiskSequences.TestCase
+TestDiskSequences.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestQuantizedSequences = pytest.mark.slow(QuantizedSequences.TestCase)
 TestQuantizedSequences.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)

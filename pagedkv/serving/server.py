@@ -104,8 +104,9 @@ def build_engine(args: argparse.Namespace, loaded: list):
               file=sys.stderr, flush=True)
         prefix_caching = False
     disk = None
-    if args.disk_tier and layout.has_windows:
-        print("disk tier off: it keeps the pages of full-attention models only", file=sys.stderr, flush=True)
+    if args.disk_tier and (not prefix_caching or states is not None):
+        print("disk tier off: it keeps the prefix cache's K/V pages, of models without recurrent layers",
+              file=sys.stderr, flush=True)
     elif args.disk_tier:
         from pagedkv.disk_tier import DiskTier
 
