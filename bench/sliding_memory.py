@@ -18,13 +18,15 @@ cache. Bytes held after that:
   full-attention or sliding, keeps room for all 12 layers (the layout before groups).
 
 All three give the same greedy tokens (checked). Ideal: P x 2 full layers + the window x
-10 sliding layers of K/V.
+10 sliding layers of K/V. Also printed: each side's prefill time and time per decode step
+(of a second run, so no kernel compiles), and mlx-lm's over them.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -43,13 +45,17 @@ PAGE = 16
 DECODE = 16
 
 
-def decode(model, cache, prompt: list[int]) -> list[int]:
+def decode(model, cache, prompt: list[int]) -> tuple[list[int], float, float]:
+    """(greedy tokens, prefill seconds, seconds per decode step)."""
+    t = time.perf_counter()
     prefill(model, cache, prompt[:-1], 512)
+    mx.synchronize()
+    t1 = time.perf_counter()
     out, nxt = [], prompt[-1]
     for _ in range(DECODE):
         nxt = int(mx.argmax(model(mx.array([[nxt]]), cache=cache)[0, -1]).item())
         out.append(nxt)
-    return out
+    return out, t1 - t, (time.perf_counter() - t1) / DECODE
 
 
 def main() -> None:
@@ -71,26 +77,36 @@ def main() -> None:
           f"{c['sliding_window']}) + {n_full} full, pages of {PAGE}; kv_pool_layers = {kv_pool_layers(model)}")
     print(f"{'P':>7} {'ideal MiB':>10} {'mlx-lm':>9} {'grouped':>9} {'per-layer':>10} {'mlx-lm/grouped':>15} "
           f"{'per-layer/grouped':>18}")
+    speeds = []
     for n in [int(x) for x in args.tokens.split(",")]:
         prompt = [(i * 7919) % 4000 + 1 for i in range(n)]
         tokens = n + DECODE
         ideal = (tokens * n_full + c["sliding_window"] * n_sliding) * per_token_layer
-        ref_cache = make_prompt_cache(model)
-        want = decode(model, ref_cache, prompt)
+        times = {}
+        for _ in range(2):  # the second run is timed (the first compiles kernels)
+            ref_cache = make_prompt_cache(model)
+            want, *times["mlx-lm"] = decode(model, ref_cache, prompt)
         theirs = sum(x.nbytes for cache in ref_cache for x in (cache.keys, cache.values))
         held = {}
         for name, layers in (("grouped", kv_pool_layers(model)), ("per-layer", c["num_hidden_layers"])):
             pool = PagePool(num_layers=layers, num_kv_heads=kv, head_dim=d, page_size=PAGE,
                             num_pages=tokens // PAGE + 512,  # (a forward's window pages: 5 x 64)
                             dtype=mx.float32)
-            with make_paged_cache(model, pool) as cache:
-                got = decode(model, cache, prompt)
-                held[name] = pool.allocator.num_in_use() * pool.bytes_per_page
-            assert got == want, f"{name}: {got} != {want}"
+            for _ in range(2):
+                with make_paged_cache(model, pool) as cache:
+                    got, *times[name] = decode(model, cache, prompt)
+                    held[name] = pool.allocator.num_in_use() * pool.bytes_per_page
+                assert got == want, f"{name}: {got} != {want}"
         mib = 1 << 20
         print(f"{n:>7} {ideal / mib:>10.1f} {theirs / mib:>9.1f} {held['grouped'] / mib:>9.1f} "
               f"{held['per-layer'] / mib:>10.1f} {theirs / held['grouped']:>14.2f}x "
               f"{held['per-layer'] / held['grouped']:>17.2f}x", flush=True)
+        speeds.append((n, times))
+    print("\ntime (second run): prefill s / decode ms per token; mlx-lm's time over each side's")
+    for n, times in speeds:
+        base = times["mlx-lm"]
+        print(f"{n:>7} " + "  ".join(f"{k} {v[0]:.3f} s / {v[1] * 1e3:.2f} ms ({base[0] / v[0]:.2f}x, "
+                                     f"{base[1] / v[1]:.2f}x)" for k, v in times.items()), flush=True)
 
 
 if __name__ == "__main__":

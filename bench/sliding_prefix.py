@@ -13,12 +13,9 @@ shared P-token prefix plus 32 new tokens. In one process, its time to first toke
   back to the shared prefix;
 * paged, no cache: pagedkv pages, the whole prompt prefilled;
 * paged hit: an earlier request left the prefix behind (``PrefixCache(pool,
-  windows=layout.windows)``, registered after each prefill chunk, as the engine does);
-  only the new tokens are computed. The hit's full-attention table holds all P / 16
-  pages, each sliding table only the window's last pages (printed).
-
-The pool has one layer (``kv_pool_layers``: the model's full-attention layer count), so
-the 5 sliding layers form 5 groups of one, each with its own table (``layout_for``).
+  windows=(512,))``, registered after each prefill chunk, as the engine does); only the
+  new tokens are computed. The hit's full-attention table holds all P / 16 pages, its
+  sliding table only the window's last pages (printed).
 
 The paged hit gives the same first token as the paged miss (checked); whether mlx-lm's
 agrees is printed (in float32 it does; in bfloat16 the two attention paths round
@@ -40,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hybrid_prefix import first_token  # noqa: E402
 
-from pagedkv import PagePool, PrefixCache, kv_pool_layers, layout_for, make_paged_cache  # noqa: E402
+from pagedkv import PagePool, PrefixCache, make_paged_cache  # noqa: E402
 from pagedkv.generation import prefill  # noqa: E402
 
 GEMMA3_SMALL = {
@@ -78,9 +75,8 @@ def main() -> None:
           f"page {PAGE}")
     for n in [int(x) for x in args.tokens.split(",")]:
         shared = [(i * 7919) % 8000 + 1 for i in range(n)]
-        layers = kv_pool_layers(model)  # 1: the sliding layers form 5 groups, a table each
-        pool = PagePool(num_layers=layers, num_kv_heads=2, head_dim=64, page_size=PAGE,
-                        num_pages=2 * (n + 2 * SUFFIX) // PAGE + 5 * 2 * 1024 // PAGE + 8, dtype=dtype)
+        pool = PagePool(num_layers=6, num_kv_heads=2, head_dim=64, page_size=PAGE,
+                        num_pages=6 * (n + 2 * SUFFIX) // PAGE + 8, dtype=dtype)
         times: dict[str, list[float]] = {"mlx-lm": [], "paged, no cache": [], "paged hit": []}
         agree = 0
         for r in range(args.repeats):
@@ -93,15 +89,15 @@ def main() -> None:
                 tok, s = first_token(model, cache, prompt)
             times["paged, no cache"].append(s)
             firsts.append(tok)
-            prefix = PrefixCache(pool, windows=layout_for(model, pool).windows)
+            prefix = PrefixCache(pool, windows=(window,))
             seed = shared + [8001] * SUFFIX  # an earlier request left the prefix behind
             with make_paged_cache(model, pool) as cache:
                 prefill(model, cache, seed, 512, prefix=prefix, keys=prefix.keys(seed))
             t = time.perf_counter()
             cache, rest = prefix.new_cache(model, prompt)
             hit = len(prompt) - len(rest)
-            held = (sum(tb.num_pages for tb in cache.tables if tb.window is None),
-                    sum(tb.num_pages for tb in cache.tables if tb.window is not None))
+            full, sliding = sorted(cache.tables, key=lambda tb: tb.window is not None)
+            held = (full.num_pages, sliding.num_pages)
             tok, s = first_token(model, cache, rest)
             times["paged hit"].append(time.perf_counter() - t)
             firsts.append(tok)
@@ -111,8 +107,7 @@ def main() -> None:
             agree += firsts[0] == firsts[1]
         med = {k: statistics.median(v) for k, v in times.items()}
         print(f"\nP = {n} shared + {SUFFIX} new tokens (hit: {hit} tokens; the hit's tables hold "
-              f"{held[0]} full-attention pages and {held[1]} sliding-window pages over 5 groups), "
-              f"pool of {layers} layer(s), median of {args.repeats}; "
+              f"{held[0]} full-attention pages and {held[1]} sliding-window pages), median of {args.repeats}; "
               f"mlx-lm's first token the same in {agree}/{args.repeats}:")
         for k, v in med.items():
             print(f"  {k:16s} TTFT {v * 1e3:9.1f} ms   mlx-lm / this = {med['mlx-lm'] / v:6.2f}x")

@@ -390,16 +390,26 @@ def _latent_attention_module(model) -> str:
 def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
                max_kv_size: int | None = None, state_pool: StatePool | None = None,
                rewind: int = 0) -> LayerLayout:
-    """The layer layout of ``model``'s caches. The attention layers of each kind (full
-    attention; each sliding-window size), in model order, are cut into groups of as many
-    layers as their pool has (``pool``, or ``sliding_pool`` for the sliding ones if given);
-    each group is a table spec, and a layer uses the pool layer of its place in its group.
-    A page id then holds the K/V of one group's layers only, so no pool layer is kept for
-    layers that never write it: a Gemma-3-style model (5 sliding layers per full one) on a
-    pool with as many layers as it has full-attention layers (``kv_pool_layers``) keeps a
-    long prompt's full-attention pages without the sliding layers' share, much as vLLM's
-    equal-size layer groups do. A pool with a layer per attention layer gives one spec per
-    kind. A hybrid model's recurrent layers keep their state in ``state_pool``
+    """The layer layout of ``model``'s caches: full-attention layers share one table spec
+    in ``pool``; each sliding-window size gets its own (in ``sliding_pool`` if given,
+    whose layers are numbered in order of the sliding layers; the full layers then take
+    ``pool``'s layers in order). Without ``sliding_pool``, attention layer i (the i-th
+    cache slot that is not recurrent) uses layer i.
+
+    A pool with fewer layers than the attention layers it serves is used in *groups*:
+    the layers of each kind (full attention; each window size), in model order, are cut
+    into groups of as many layers as the pool has, each group a table spec, each layer at
+    the pool layer of its place in its group. A page then holds one group's layers only:
+    a Gemma-3-style model (5 sliding layers per full one) on a pool of
+    ``kv_pool_layers(model)`` layers keeps a long prompt's full-attention pages without
+    room for the sliding layers, much as vLLM's equal-size layer groups do
+    (bench/sliding_memory.py: 5.6x less K/V at 32k). The cost: one forward writes each
+    pool array several times, and on a CUDA GPU MLX then copies the array at some of
+    those writes, as a kernel still reading it keeps its buffer (bench/RESULTS.md: peak
+    memory up by several pool arrays, decode 0.8-0.9x the per-layer pool's speed), so
+    the pool factories keep a layer per attention layer.
+
+    A hybrid model's recurrent layers keep their state in ``state_pool``
     (``StatePool.for_model(model, ...)``).
     ``rewind``: tokens the sliding-window tables keep behind their window, so that a
     sequence can always be trimmed back that far (``PageTable``); a draft model that
@@ -425,12 +435,17 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
                                 f"{state_pool.num_layers}")
     specs: list[TableSpec] = []
     layers = []
+    attn = [w for w in windows if w != _RECURRENT]
+    target_of = [pool if w is None or sliding_pool is None else sliding_pool for w in attn]
+    placed: dict[int, int] = {}  # id(pool) -> its attention layers so far
     seen: dict[int | None, int] = {}  # layers of each kind so far
-    for w in windows:
-        if w == _RECURRENT:
-            continue
-        target = pool if w is None or sliding_pool is None else sliding_pool
-        group, layer = divmod(seen.get(w, 0), target.num_layers)
+    for w, target in zip(attn, target_of):
+        k = placed.get(id(target), 0)
+        placed[id(target)] = k + 1
+        if sum(t is target for t in target_of) <= target.num_layers:  # a pool layer per layer
+            group, layer = 0, k
+        else:  # groups of the pool's layers per kind
+            group, layer = divmod(seen.get(w, 0), target.num_layers)
         seen[w] = seen.get(w, 0) + 1
         spec = TableSpec(target, w, 0 if w is None else rewind, group)
         if spec not in specs:
@@ -440,12 +455,13 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
 
 
 def kv_pool_layers(model, max_kv_size: int | None = None) -> int:
-    """The pool layers to give ``model`` (``layout_for``): as many as it has
-    full-attention layers, so they form one group (one table, which prefix caching
-    needs) and a long sequence's full-attention pages hold no room for other layers;
-    its sliding-window layers then form groups of that many (the last one may leave
-    layers unused, in window pages only). A model without full-attention layers: its
-    smallest kind of sliding layers. For a model of one kind, all of its attention layers."""
+    """The fewest pool layers that waste no page room on ``model`` (``layout_for``'s
+    groups): as many as it has full-attention layers, so they form one group (one
+    table, which prefix caching needs) and a long sequence's full-attention pages hold
+    no room for other layers; its sliding-window layers then form groups of that many
+    (the last one may leave layers unused, in window pages only). A model without
+    full-attention layers: its smallest kind of sliding layers. For a model of one kind,
+    all of its attention layers. See ``layout_for`` for what groups cost on a GPU."""
     counts: dict[int | None, int] = {}
     for entry in _layer_windows(model, max_kv_size):
         for w in entry:

@@ -143,8 +143,13 @@ class DiskTier:
     # ------------------------------------------------------------------ owner thread
     def spill(self, digests: list[bytes], parents: list[bytes], tokens: list[bytes], pages: list[int]) -> None:
         """Queue ``pages`` (held or just evicted, still unchanged in the pool) for writing
-        under ``digests``. One gather from the pool; no disk I/O here."""
-        todo = [i for i, d in enumerate(digests) if not self.has(d)]
+        under ``digests`` (a digest already queued or on disk, or listed before in the
+        same call, is skipped). One gather from the pool; no disk I/O here."""
+        todo, seen = [], set()
+        for i, d in enumerate(digests):  # (one digest can come twice: equal content under two nodes)
+            if d not in seen and not self.has(d):
+                seen.add(d)
+                todo.append(i)
         room = (self.max_pending_bytes - self._pending_bytes) // max(1, self.spec.bytes_per_page)
         if len(todo) > room:
             self.stats.dropped += len(todo) - max(0, room)
@@ -227,7 +232,12 @@ class DiskTier:
                 self._idle.set()
                 return
             with self._lock:
-                data, meta = self._pending[key]
+                entry = self._pending.get(key)
+                if entry is None and self._queue.empty():
+                    self._idle.set()
+            if entry is None:  # (queued twice: written already; spill prevents it)
+                continue
+            data, meta = entry
             try:
                 size = write_pages_file(self._path(key), data, self.spec, meta)
             except OSError as e:  # a full or failing disk: the page is simply not kept

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from pagedkv.cache import kv_pool_layers
 from pagedkv.codec import AffineQuant, rotated
 from pagedkv.errors import InvalidValueError, NotSupportedError, check_int
 from pagedkv.mlx_lm_caches import flat_caches
@@ -49,10 +48,9 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
     forward on mlx-lm's own caches) and, for a hybrid model, a ``StatePool`` for its
     recurrent layers, together within ``max_bytes``: ``state_slots`` slots (default 64:
     running requests plus prefix checkpoints) come off the budget first, the rest is
-    pages. The pool has a layer per full-attention layer (``kv_pool_layers``: all of
-    them for a model of one kind), so a Gemma-3-style model's sliding-window layers fill
-    their own pages in groups and its full-attention pages keep no room for them
-    (``layout_for``).
+    pages. One pool layer per attention cache, full or sliding-window (``KVCache``,
+    ``RotatingKVCache``), as ``make_paged_cache`` lays them out (a smaller pool would
+    group them: ``layout_for``).
     """
     check_int("max_bytes", max_bytes, minimum=1)
     cache = _probe(model)
@@ -71,7 +69,7 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
         raise InvalidValueError("state_slots is for hybrid models; this one has no recurrent layers")
     left = max_bytes - (states.nbytes if states is not None else 0)
     _, heads, _, head_dim = attn[0].keys.shape
-    kv = dict(num_layers=kv_pool_layers(model), num_kv_heads=heads, head_dim=head_dim, v_head_dim=attn[0].values.shape[-1],
+    kv = dict(num_layers=len(attn), num_kv_heads=heads, head_dim=head_dim, v_head_dim=attn[0].values.shape[-1],
               page_size=page_size, dtype=attn[0].keys.dtype)
     per_page = PagePool(**kv, num_pages=2, cache_limit=None).bytes_per_page
     if left < 2 * per_page:
@@ -82,10 +80,8 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
 
 def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, max_bytes: int | None = None,
              kv_bits: int | None = None) -> PagePool:
-    """A pool for ``lm`` (a ``LoadedModel``) of ``tokens // page_size + 1`` pages, or as
-    many pages as ``max_bytes`` holds when it is given, with a layer per full-attention
-    layer (``kv_pool_layers``; a model of one kind: all of its layers). A model with
-    sliding-window layers takes its window pages (per group of layers) from it too.
+    """A pool for ``lm`` (a ``LoadedModel``) holding ``tokens`` tokens per layer, or as
+    many pages as ``max_bytes`` (K + V of all layers) holds when it is given.
 
     ``kv_bits`` stores K and V quantised with scales in the model's dtype (as mlx-lm's
     ``QuantizedKVCache``, so a bf16 model's quantised step stays bf16): 8 bits plain affine (group
@@ -95,7 +91,7 @@ def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, max_bytes: int | No
     """
     size = dict(max_bytes=max_bytes) if max_bytes is not None else dict(num_pages=-(-tokens // page_size) + 1)
     v_head_dim = lm.v_head_dim or lm.head_dim
-    common = dict(num_layers=kv_pool_layers(lm.model), num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+    common = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
                   v_head_dim=v_head_dim, page_size=page_size, dtype=kv_dtype(lm.model), **size)  # (+ 1: the null page)
     if kv_bits is None:
         return PagePool(**common)

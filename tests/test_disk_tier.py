@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import CONFIGS, kv_dims, make_model, model_of_config, prompt_of
@@ -110,6 +111,22 @@ def test_pages_still_queued_for_writing_are_hits_served_from_memory(model, tmp_p
     assert disk.stats.restored == 7 and disk.stats.bad_files == 0
     release.set()
     assert disk.flush(30) and disk.stats.written == 8
+    disk.close()
+
+
+def test_a_digest_listed_twice_in_one_spill_is_written_once_and_the_writer_lives_on(tmp_path):
+    """Two evicted pages can carry one digest (the same content filed under two nodes,
+    one of them since evicted). The second used to be queued again, and the writer
+    thread died on it (KeyError), so nothing was written after it."""
+    pool = make_pool()
+    disk = DiskTier(tmp_path, pool, max_bytes=1 << 24, model_id="tiny")
+    digest, parent, tokens = b"d" * 16, b"p" * 16, np.arange(4, dtype="<i8").tobytes()
+    disk.spill([digest, digest], [parent, parent], [tokens, tokens], [1, 2])
+    assert disk.stats.spilled == 1
+    assert disk.flush(30) and disk.stats.written == 1 and disk._writer.is_alive()
+    disk.spill([b"e" * 16], [parent], [tokens], [3])
+    assert disk.flush(30) and disk.stats.written == 2
+    assert disk.load(digest, parent, tokens) is not None
     disk.close()
 
 

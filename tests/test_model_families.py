@@ -276,19 +276,23 @@ def test_a_hybrid_family_whose_states_do_not_count_tokens_is_refused_by_its_stat
 
 @pytest.mark.parametrize("family", ["cohere2", "gpt_oss", "olmo3"])
 def test_pools_for_model_sizes_a_sliding_window_family_that_then_decodes_as_mlx_lm(family):
-    """The pool has a layer per full-attention layer, fewer than the model's layers: each
-    kind (full attention, sliding window) is cut into groups of that many layers, a table
-    each, so a full-attention page keeps no room for the sliding layers."""
+    """A layer per attention layer, each at its own pool layer (one table per kind); the
+    same model on a pool of ``kv_pool_layers`` layers is laid out in groups, a table
+    each, and decodes the same tokens."""
     from pagedkv.cache import kv_pool_layers, layout_for
 
     model = family_model(family, FAMILIES[family])
     pool, states = pools_for_model(model, max_bytes=1 << 20, page_size=4)
     ref_cache = make_prompt_cache(model)
+    assert states is None and pool.num_layers == len(ref_cache)
+    assert [layer for _, layer in layout_for(model, pool).layers] == list(range(len(ref_cache)))
     kinds = [None if type(c).__name__ == "KVCache" else c.max_size for c in ref_cache]
-    assert states is None and pool.num_layers == kv_pool_layers(model) == kinds.count(None)
-    layout = layout_for(model, pool)
-    assert len(layout.specs) == sum(-(-kinds.count(k) // pool.num_layers) for k in set(kinds))
-    assert pool.num_layers < len(ref_cache)
+    small = PagePool(num_layers=kv_pool_layers(model), num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                     page_size=4, num_pages=160, dtype=pool.dtype)
+    assert small.num_layers == kinds.count(None) < len(ref_cache)
+    assert len(layout_for(model, small).specs) == sum(-(-kinds.count(k) // small.num_layers) for k in set(kinds))
+    with make_paged_cache(model, small) as cache:
+        assert greedy(model, prompt_of(30), cache, 12)[0] == greedy(model, prompt_of(30), make_prompt_cache(model), 12)[0]
     with make_paged_cache(model, pool) as cache:
         tokens, _ = greedy(model, prompt_of(30), cache, 12)  # past the window (12): its pages go back
     assert tokens == greedy(model, prompt_of(30), ref_cache, 12)[0]

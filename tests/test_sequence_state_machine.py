@@ -361,6 +361,7 @@ class DiskSequences(Sequences):
     def teardown(self):
         try:
             super().teardown()
+            assert self.disk.flush(30) and self.disk._writer.is_alive()  # (it died on a digest queued twice)
         finally:
             self.disk.close()
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -368,7 +369,7 @@ class DiskSequences(Sequences):
 
 TestSequences = Sequences.TestCase
 TestSequences.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
-TestDiskSequences = DiskSequences.TestCase
+TestDiskSequences = pytest.mark.slow(DiskSequences.TestCase)
 TestDiskSequences.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestQuantizedSequences = pytest.mark.slow(QuantizedSequences.TestCase)
 TestQuantizedSequences.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
