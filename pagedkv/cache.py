@@ -437,12 +437,13 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
     layers = []
     attn = [w for w in windows if w != _RECURRENT]
     target_of = [pool if w is None or sliding_pool is None else sliding_pool for w in attn]
+    serves = {id(t): sum(u is t for u in target_of) for t in target_of}  # id(pool) -> its attention layers
     placed: dict[int, int] = {}  # id(pool) -> its attention layers so far
     seen: dict[int | None, int] = {}  # layers of each kind so far
     for w, target in zip(attn, target_of):
         k = placed.get(id(target), 0)
         placed[id(target)] = k + 1
-        if sum(t is target for t in target_of) <= target.num_layers:  # a pool layer per layer
+        if serves[id(target)] <= target.num_layers:  # a pool layer per layer
             group, layer = 0, k
         else:  # groups of the pool's layers per kind
             group, layer = divmod(seen.get(w, 0), target.num_layers)

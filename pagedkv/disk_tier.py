@@ -12,7 +12,8 @@ A page file is named by its *chain digest*: BLAKE2b-128 over the digest of the p
 before it and its own token ids, from a root digest of the prefix cache's
 ``extra_keys``. On a sliding-window model the page a sliding layer keeps for the same
 tokens is another file, named by ``window_digest`` of its window (and layer group) and
-that chain digest; its parent digest is the chain digest. A later ``PrefixCache.new_cache`` that runs out of RAM pages looks the
+that chain digest; its parent digest is the chain digest. A later
+``PrefixCache.new_cache`` that runs out of RAM pages looks the
 next pages' digests up here, reads them back into free pool pages and registers them
 again, so they are RAM hits from then on. Each file's page token ids and parent
 digest are compared with the request's before its bytes are used, as a RAM hit
@@ -232,12 +233,7 @@ class DiskTier:
                 self._idle.set()
                 return
             with self._lock:
-                entry = self._pending.get(key)
-                if entry is None and self._queue.empty():
-                    self._idle.set()
-            if entry is None:  # (queued twice: written already; spill prevents it)
-                continue
-            data, meta = entry
+                data, meta = self._pending[key]  # (spill queues a digest once)
             try:
                 size = write_pages_file(self._path(key), data, self.spec, meta)
             except OSError as e:  # a full or failing disk: the page is simply not kept

@@ -28,7 +28,7 @@ the state pool's own allocator, evicted least recently used first like pages.
 Sliding-window models (``windows``: the window sizes of the model's sliding layers).
 Their sliding layers keep their own page tables, which let pages go as they leave the
 window. Registering such a sequence also files the full pages its sliding tables still
-hold, under the same nodes (one map per window size); they become CACHED like the
+hold, under the same nodes (keyed by window size and layer group); they become CACHED like the
 others when the window lets them go. A hit must then end where every window's last
 pages are cached too (those a query at the hit's end sees); the sliding tables of the
 new sequence start from those pages, the earlier ones listed as dropped. Layouts need
@@ -286,16 +286,18 @@ class PrefixCache:
         loaded: dict[tuple, dict] = {}  # (0: full, or a window key; page index) -> its bytes
         failed: set[tuple[WindowKey, int]] = set()
 
+        def ram_page(window: WindowKey, i: int) -> int | None:
+            return have.get((window, nodes[i])) if i < in_ram else None
+
         def in_tiers(window: WindowKey, i: int) -> bool:
-            return (i < in_ram and (window, nodes[i]) in have) or (
+            return ram_page(window, i) is not None or (
                 digests[i] is not None and (window, i) not in failed
                 and disk.has(window_digest(window, digests[i])))
 
         while True:
             m = self._window_end(in_ram + len(chain), windows, in_tiers)
-            read = [(0, i) for i in range(in_ram, m)]
-            read += [(w, i) for w in windows for i in range(self._first_in_window(m, w[0]), m)
-                     if not (i < in_ram and (w, nodes[i]) in have)]
+            needed = [(w, i) for w in windows for i in range(self._first_in_window(m, w[0]), m)]
+            read = [(0, i) for i in range(in_ram, m)] + [item for item in needed if ram_page(*item) is None]
             for kind, i in read:
                 if (kind, i) in loaded:
                     continue
@@ -312,8 +314,7 @@ class PrefixCache:
             else:
                 break
         m_ram = min(m, in_ram)
-        held = pages[:m_ram] + [have[(w, nodes[i])] for w in windows for i in range(self._first_in_window(m, w[0]), m)
-                                if i < in_ram and (w, nodes[i]) in have]
+        held = pages[:m_ram] + [p for p in (ram_page(*item) for item in needed) if p is not None]
         allocator = self.pool.allocator
         if held:
             allocator.touch(held)
@@ -886,6 +887,15 @@ class PrefixCache:
             cached_state_bytes=0 if self.state_pool is None
             else self.state_pool.allocator.num_cached() * self.state_pool.bytes_per_slot,
         )
+
+
+def prefix_cache_serves(layout, hybrid: bool) -> bool:
+    """Whether a ``PrefixCache`` serves a model of ``layout`` (``hybrid``: it has
+    recurrent layers): not one whose attention layers all slide, nor a hybrid with
+    sliding layers."""
+    if not layout.has_windows:
+        return True
+    return not hybrid and any(spec.window is None for spec in layout.specs)
 
 
 def _window_keys_of(layout) -> list[WindowKey]:

@@ -70,7 +70,7 @@ from pagedkv.generation import prefill
 from pagedkv.kernels import paged_decode
 from pagedkv.model_config import text_config
 from pagedkv.pool import PagePool
-from pagedkv.prefix import PrefixCache
+from pagedkv.prefix import PrefixCache, prefix_cache_serves
 from pagedkv.prefix_keys import PrefixKeys
 from pagedkv.scheduling import can_admit
 from pagedkv.serving.metrics import ServingMetrics
@@ -232,8 +232,7 @@ class Engine:
         vocab = int(config["vocab_size"])
         ctx = max_model_len or int(config.get("max_position_embeddings") or 1 << 30)
         self._layout = layout_for(model, pool, state_pool=state_pool)  # every batch's (frozen)
-        if prefix_caching and self._layout.has_windows and (
-                state_pool is not None or all(spec.window is not None for spec in self._layout.specs)):
+        if prefix_caching and not prefix_cache_serves(self._layout, hybrid=state_pool is not None):
             # (checked before the model is routed or the pool touched)
             raise NotSupportedError("the prefix cache serves sliding-window models that have full-attention "
                                     "layers and no recurrent ones: pass prefix_caching=False to serve this one")

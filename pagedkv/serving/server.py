@@ -87,6 +87,7 @@ def build_engine(args: argparse.Namespace, loaded: list):
     from pagedkv.cache import layout_for
     from pagedkv.mlx_lm_caches import flat_caches
     from pagedkv.pool_factory import pool_for
+    from pagedkv.prefix import prefix_cache_serves
     from pagedkv.serving.engine import Engine
     from pagedkv.serving.metrics import ServingMetrics
     from pagedkv.state_pool import StatePool
@@ -98,8 +99,7 @@ def build_engine(args: argparse.Namespace, loaded: list):
     states = StatePool.for_model(lm.model, num_slots=2 * args.max_batch + 1) if recurrent else None
     prefix_caching = not args.no_prefix_caching
     layout = layout_for(lm.model, pool, state_pool=states)
-    if prefix_caching and layout.has_windows and (
-            states is not None or all(spec.window is not None for spec in layout.specs)):
+    if prefix_caching and not prefix_cache_serves(layout, hybrid=states is not None):
         print("prefix caching off: the model's layers all slide, or it has recurrent ones beside sliding ones",
               file=sys.stderr, flush=True)
         prefix_caching = False
