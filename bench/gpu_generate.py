@@ -3,7 +3,7 @@
     python3 bench/gpu_generate.py [--model 1b|8b] [--dtype float16|bfloat16]
                                   [--batches 1,8,32,64] [--contexts 1024,4096] [--steps 32]
                                   [--pipelined] [--sync] [--pool-scale 1] [--prefill 1024,4096,16384]
-                                  [--gather-prefill]
+                                  [--gather-prefill] [--scatter-writes]
 
 Model: random weights in mlx-lm's llama class, Llama-3.2-1B-shaped (16 layers, 32 query /
 8 KV heads, head_dim 64) or Llama-3-8B-shaped (32 layers, 32 / 8 heads, head_dim 128).
@@ -91,7 +91,7 @@ def filled(model, lengths: list[int], steps: int, dtype, sides: str = "both"):
         return ref, None
     pool = PagePool(num_layers=layers, num_kv_heads=hkv, head_dim=d, page_size=PS, dtype=dtype,
                     num_pages=POOL_SCALE * sum(-(-(n + steps + 1) // PS) for n in lengths) + 1,
-                    sync_before_rewrite=SYNC)
+                    sync_before_rewrite=SYNC, write_kernel=WRITE_KERNEL)
     batch = PagedBatch.for_model(model, pool)
     rows = [make_paged_cache(model, pool) for _ in lengths]
     for layer in range(layers):
@@ -108,6 +108,7 @@ def filled(model, lengths: list[int], steps: int, dtype, sides: str = "both"):
 
 PIPELINED = False  # --pipelined
 SYNC = False  # --sync
+WRITE_KERNEL: bool | None = None  # --scatter-writes: False (pools write by MLX's scatter, not the write kernel)
 POOL_SCALE = 1  # --pool-scale: a pool this many times what the rows need (a copied layer shows in the peak)
 QUEUED: list[float] = []  # --pipelined: seconds each step's mx.async_eval took (apart from the host time)
 
@@ -185,7 +186,8 @@ def prefill_case(model, n: int, dtype) -> dict:
         mx.reset_peak_memory()
         if side == "paged":
             pool = PagePool(num_layers=a.num_hidden_layers, num_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
-                            page_size=PS, dtype=dtype, num_pages=-(-(n + 1) // PS) + 1)
+                            page_size=PS, dtype=dtype, num_pages=-(-(n + 1) // PS) + 1,
+                            write_kernel=WRITE_KERNEL)
             cache = make_paged_cache(model, pool)
         else:
             cache = make_prompt_cache(model)
@@ -218,13 +220,16 @@ def main() -> None:
     ap.add_argument("--pool-scale", type=int, default=1,
                     help="size the pool this many times what the rows need (a copy of a layer array then "
                          "shows plainly in the peak column)")
+    ap.add_argument("--scatter-writes", action="store_true",
+                    help="pools write tokens by MLX's scatter instead of the in-place write kernel (the former path)")
     ap.add_argument("--gather-prefill", action="store_true",
                     help="prefill gathers the pages for SDPA instead of the paged prefill kernel (the former path)")
     args = ap.parse_args()
     if args.gather_prefill:
         paged_prefill.fits = lambda *a: False
-    global PIPELINED, SYNC, POOL_SCALE
+    global PIPELINED, SYNC, POOL_SCALE, WRITE_KERNEL
     PIPELINED, SYNC, POOL_SCALE = args.pipelined, args.sync, args.pool_scale
+    WRITE_KERNEL = False if args.scatter_writes else None
     dtype = getattr(mx, args.dtype)
     model = model_of(args.model, dtype)
     print(f"mlx {mx.__version__} {mx.default_device()}; {args.model}-shaped llama, {args.dtype}, "

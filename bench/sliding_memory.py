@@ -14,8 +14,8 @@ cache. Bytes held after that:
 * pagedkv, grouped: pages in use x page bytes, on a pool of ``kv_pool_layers(model)``
   layers (2 here), so the sliding layers form 5 groups with their own tables and a
   full-attention page holds the 2 full layers only (``layout_for``);
-* pagedkv, a layer per model layer: the same on a 12-layer pool, where every page,
-  full-attention or sliding, keeps room for all 12 layers (the layout before groups).
+* pagedkv, a layer per model layer: the same on a 12-layer pool (what the factories
+  gave before groups became their default), where every page keeps room for all 12 layers.
 
 All three give the same greedy tokens (checked). Ideal: P x 2 full layers + the window x
 10 sliding layers of K/V. Also printed: each side's prefill time and time per decode step

@@ -21,6 +21,7 @@ from pagedkv.batch import PagedBatch, PagedBatchKVCache
 from pagedkv.cache import (
     PagedKVCache,
     PagedPromptCache,
+    kv_pages_for,
     kv_pool_layers,
     layout_for,
     make_paged_cache,
@@ -83,6 +84,7 @@ __all__ = [
     "AffineQuant",
     "FullPrecision",
     "route_attention",
+    "kv_pages_for",
     "kv_pool_layers",
     "layout_for",
     "RotatedAffineQuant",

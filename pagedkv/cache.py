@@ -79,8 +79,8 @@ class LayerFace:
         return self.pool.kind.model_inputs(*parts)
 
     def storage(self) -> list[mx.array]:
-        """The pool arrays this layer writes into (see ``PagePool.storage``)."""
-        return self.pool.storage(self.pool_layer)
+        """What to evaluate to settle this layer's writes (``PagePool.written``)."""
+        return self.pool.written(self.pool_layer)
 
     def _position(self) -> bytes:
         return self.rows.offsets[self.layer].tobytes() + self.rows.step_starts[self.layer].tobytes()
@@ -403,11 +403,10 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
     a Gemma-3-style model (5 sliding layers per full one) on a pool of
     ``kv_pool_layers(model)`` layers keeps a long prompt's full-attention pages without
     room for the sliding layers, much as vLLM's equal-size layer groups do
-    (bench/sliding_memory.py: 5.6x less K/V at 32k). The cost: one forward writes each
-    pool array several times, and on a CUDA GPU MLX then copies the array at some of
-    those writes, as a kernel still reading it keeps its buffer (bench/RESULTS.md: peak
-    memory up by several pool arrays, decode 0.8-0.9x the per-layer pool's speed), so
-    the pool factories keep a layer per attention layer.
+    (bench/sliding_memory.py: 5.6x less K/V at 32k). The pool factories make such pools.
+    One forward then writes each pool array several times: on a CUDA GPU such a pool
+    writes tokens with its in-place kernel (``PagePool.written_in_groups``), as MLX's
+    scatter copies an array a kernel still in flight reads.
 
     A hybrid model's recurrent layers keep their state in ``state_pool``
     (``StatePool.for_model(model, ...)``).
@@ -447,12 +446,37 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
             group, layer = 0, k
         else:  # groups of the pool's layers per kind
             group, layer = divmod(seen.get(w, 0), target.num_layers)
+            target.written_in_groups()
         seen[w] = seen.get(w, 0) + 1
         spec = TableSpec(target, w, 0 if w is None else rewind, group)
         if spec not in specs:
             specs.append(spec)
         layers.append((specs.index(spec), layer))
     return LayerLayout(tuple(specs), tuple(layers), state_slots, state_pool if state_slots else None, groups)
+
+
+def kv_pages_for(model, tokens: int, page_size: int, pool_layers: int | None = None, chunk: int = 512) -> int:
+    """Pages a pool of ``pool_layers`` layers (default ``kv_pool_layers(model)``) needs
+    for one sequence of ``tokens`` tokens written at most ``chunk`` per forward (a
+    prefill chunk), the null page included: each table spec of ``layout_for``'s layout
+    holds the sequence's pages, a sliding-window one at most its window's plus a
+    chunk's. Exact for a model without sliding windows; O(layers)."""
+    tokens = check_int("tokens", tokens, minimum=1)
+    page_size = check_int("page_size", page_size, minimum=1)
+    chunk = check_int("chunk", chunk, minimum=1)
+    layers = kv_pool_layers(model) if pool_layers is None else check_int("pool_layers", pool_layers, minimum=1)
+    counts: dict[int | None, int] = {}
+    for entry in _layer_windows(model, None):
+        for w in entry:
+            if w != _RECURRENT:
+                counts[w] = counts.get(w, 0) + 1
+    full = -(-tokens // page_size)
+    grouped = sum(counts.values()) > layers  # (else a pool layer per layer: one table per kind)
+    total = 1
+    for w, n in counts.items():
+        per_table = full if w is None else min(full, -(-(w + chunk) // page_size) + 1)
+        total += (-(-n // layers) if grouped else 1) * per_table
+    return total
 
 
 def kv_pool_layers(model, max_kv_size: int | None = None) -> int:
@@ -462,7 +486,7 @@ def kv_pool_layers(model, max_kv_size: int | None = None) -> int:
     no room for other layers; its sliding-window layers then form groups of that many
     (the last one may leave layers unused, in window pages only). A model without
     full-attention layers: its smallest kind of sliding layers. For a model of one kind,
-    all of its attention layers. See ``layout_for`` for what groups cost on a GPU."""
+    all of its attention layers. The pool factories size pools with it."""
     counts: dict[int | None, int] = {}
     for entry in _layer_windows(model, max_kv_size):
         for w in entry:

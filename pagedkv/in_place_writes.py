@@ -24,6 +24,10 @@ references the old array when the scatter runs. Two things do, in practice:
   so a write that follows the evaluation that closely can find its array still
   referenced. A model's layer is written once per step, a whole forward pass apart.
 
+A page pool written in layer groups on a CUDA GPU writes tokens with its own kernel
+instead (:mod:`pagedkv.kernels.page_write`), which writes through the array's buffer,
+so no in-flight kernel can make it copy; ``settle`` still runs before it.
+
 One instance per pool; a *group* is whatever the pool writes together (a layer's K/V
 arrays, a recurrent layer's state arrays). O(live reads) per write.
 """

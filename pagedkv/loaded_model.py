@@ -24,7 +24,7 @@ class LoadedModel:
     tokenizer: object  # a tokenizers.Tokenizer
     chat_template: str  # Jinja source; what ``chat_tokens`` renders unless ``render_chat`` is set
     eos_token_ids: tuple[int, ...]
-    num_layers: int  # attention cache slots: one pool layer each
+    num_layers: int  # attention cache slots (the pool has kv_pool_layers(model) layers)
     num_kv_heads: int
     head_dim: int
 

@@ -104,11 +104,13 @@ class PageRead:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
                 return paged_decode.paged_decode(
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
-                    scale, num_pages=pool.num_pages, page_size=pool.page_size, sinks=sinks)
+                    scale, num_pages=pool.num_pages, page_size=pool.page_size, sinks=sinks,
+                    after=pool.write_order(layer))
             if paged_prefill.fits(q, pool.num_kv_heads, pool.dtype) and paged_prefill.preferred(q, mask):
                 return paged_prefill.paged_prefill(
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
-                    scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window, sinks=sinks)
+                    scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window, sinks=sinks,
+                    after=pool.write_order(layer))
         k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind, sinks)
 

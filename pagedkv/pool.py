@@ -20,15 +20,18 @@ reference or a still-pending lazy read of it turns every token write into a copy
 whole layer. Therefore (1) the arrays are private; (2) views hold the *pool*, never an
 array, and read the current array when they attend; (3) before writing a layer, the pool
 evaluates reads of that layer that are still alive (tracked by weak reference), so a
-caller holding an unevaluated read cannot silently make the write O(pool); (4) on a GPU,
-MLX's command encoder keeps the buffers of in-flight kernels alive, which can also block
-donation; ``sync_before_rewrite=True`` synchronises once per step against that. It is off
-by default: model steps on an H200 wrote in place without it, and it costs a pipelined
-loop its overlap (see :mod:`pagedkv.in_place_writes`). (3) and (4) are
-:class:`~pagedkv.in_place_writes.InPlaceWrites`, shared with the recurrent-state pool.
+caller holding an unevaluated read cannot silently make the write O(pool); (4) on a CUDA
+GPU, MLX's command encoder keeps the buffers of in-flight kernels alive, which blocks
+donation when one forward writes an array twice (layer groups). There the pool writes
+tokens with its own kernel (``write_kernel``, on by default for a pool written in
+groups on a CUDA GPU: :mod:`pagedkv.kernels.page_write`), which writes through the
+array's buffer and never copies; the scatter stays for the CPU, for a pool with a layer
+per attention layer (measured 5% faster there) and for pages copied or loaded whole.
+(3) and ``sync_before_rewrite`` are :class:`~pagedkv.in_place_writes.InPlaceWrites`,
+shared with the recurrent-state pool.
 
-Costs: ``write`` is O(tokens written) (one scatter per layer per K and V); ``gather`` is
-O(pages read); ``copy_pages`` is O(pages * layers).
+Costs: ``write`` is O(tokens written) (per layer, one kernel, or one scatter per K and V
+array); ``gather`` is O(pages read); ``copy_pages`` is O(pages * layers).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from pagedkv.errors import (
     check_int,
 )
 from pagedkv.in_place_writes import InPlaceWrites
+from pagedkv.kernels import page_write, paged_decode
 from pagedkv.page_kind import PageKind, Parts
 
 DEFAULT_CACHE_LIMIT = 1 << 30
@@ -84,7 +88,12 @@ class PagePool:
     components each get their own page-indexed array with the same row layout.
     Page 0 is the allocator's reserved null page: never handed out, it stands in for
     pages that left a sliding window. ``cache_limit`` raises MLX's buffer-cache limit to
-    at least this many bytes (``None`` leaves it alone).
+    at least this many bytes (``None`` leaves it alone). ``write_kernel``: token writes by
+    the in-place CUDA kernel (:mod:`pagedkv.kernels.page_write`; ``True`` without a CUDA
+    GPU raises ``InvalidValueError``), or ``False`` by MLX's scatter; ``None`` (default):
+    the scatter until a layout writes the pool in groups on a CUDA GPU
+    (``written_in_groups``), the kernel from then on. ``sync_before_rewrite``: see
+    :mod:`pagedkv.in_place_writes`.
     """
 
     def __init__(
@@ -103,6 +112,7 @@ class PagePool:
         k_codec: PageCodec | None = None,
         v_codec: PageCodec | None = None,
         sync_before_rewrite: bool = False,
+        write_kernel: bool | None = None,
     ) -> None:
         self.num_layers = check_int("num_layers", num_layers, minimum=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, minimum=1)
@@ -117,6 +127,14 @@ class PagePool:
         self.k_codec.check_dim(self.head_dim)
         self.v_codec.check_dim(self.v_head_dim)
         self.kind = PageKind.of(self.k_codec, self.v_codec, dtype, self.head_dim, self.v_head_dim)
+        self._write_kernel_auto = write_kernel is None
+        if write_kernel is None:
+            write_kernel = False  # (until a layout writes the pool in groups: written_in_groups)
+        elif not isinstance(write_kernel, bool):
+            raise InvalidTypeError(f"write_kernel must be a bool or None, got {write_kernel!r}")
+        elif write_kernel and not page_write.available():
+            raise InvalidValueError("write_kernel=True needs MLX on a CUDA GPU (the default device)")
+        self.write_kernel = write_kernel
         per_page = self.bytes_per_page
         if (num_pages is None) == (max_bytes is None):
             raise InvalidValueError("give exactly one of num_pages and max_bytes")
@@ -151,6 +169,8 @@ class PagePool:
         self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.num_pages
         self._head_base_rows = mx.array(self._head_base.astype(np.int32))  # (as gather_index adds it)
         self._writes = InPlaceWrites(self.num_layers, sync_before_rewrite)  # one group per layer
+        # per layer: the ``done`` of its latest in-place token write (write_order)
+        self._after = [paged_decode.NO_WRITES] * self.num_layers
         if cache_limit is not None:
             raise_cache_limit(cache_limit)
 
@@ -241,10 +261,14 @@ class PagePool:
         layer (``settle_reads``) before it runs and may not evaluate inside."""
         k_parts = self.k_codec.encode(keys)  # quantised pages: a token is encoded when written
         v_parts = self.v_codec.encode(values)
-        for arr, part in zip(self._k[layer], k_parts):
-            arr[rows, slots] = part
-        for arr, part in zip(self._v[layer], v_parts):
-            arr[rows, slots] = part
+        ks, vs = self._k[layer], self._v[layer]
+        paired = min(len(ks), len(vs)) if self.write_kernel else 0
+        for c in range(paired):  # K and V components in one in-place kernel each
+            self._after[layer] = page_write.write_tokens(ks[c], vs[c], rows, slots, k_parts[c], v_parts[c],
+                                                         self._after[layer])
+        for arrays, parts in ((ks, k_parts), (vs, v_parts)):
+            for c in range(paired, len(arrays)):
+                arrays[c][rows, slots] = parts[c]
 
     def settle_reads(self) -> None:
         """Evaluate every layer's reads that are still pending (see the module doc), so
@@ -252,11 +276,32 @@ class PagePool:
         self._writes.settle_all()
 
     def compile_state(self) -> list[list[list[mx.array]]]:
-        """The pool's own lists of layer arrays, ``[K lists, V lists]``, for
-        ``mx.compile(..., inputs=state, outputs=state)``: a compiled function that
+        """The pool's own lists of layer arrays, ``[K lists, V lists, [write orders]]``,
+        for ``mx.compile(..., inputs=state, outputs=state)``: a compiled function that
         writes the pool reads them as inputs, and MLX puts the written arrays back into
         these very lists after each call. Nothing else may hold them."""
-        return [self._k, self._v]
+        return [self._k, self._v, [self._after]]
+
+    def written_in_groups(self) -> None:
+        """Called by ``layout_for`` when several attention layers write each of this
+        pool's layers (layer groups). One forward then writes each array several times,
+        and on a CUDA GPU MLX's scatter copies an array a kernel still in flight reads
+        (bench/RESULTS.md: peak +144 MiB on a 2-layer gemma3 pool at 16k), so a pool made
+        with ``write_kernel=None`` turns the in-place write kernel on there. O(1)."""
+        if self._write_kernel_auto and page_write.available():
+            self.write_kernel = True
+
+    def write_order(self, layer: int) -> mx.array:
+        """What a reader of ``layer``'s arrays takes as an input so that it runs after
+        the layer's pending in-place token writes (``write_kernel``; see
+        :mod:`pagedkv.kernels.page_write`): int32 [1], value 0. Lazy; do not keep it."""
+        return self._after[layer]
+
+    def _finish_writes(self) -> None:
+        """Run every pending in-place token write (before a bulk read or write of pages
+        that does not take ``write_order``)."""
+        if self.write_kernel:
+            mx.eval(self._after)
 
     def gather(self, layer: int, index: mx.array, start: int, stop: int,
                rows: int = 1, track: bool = True) -> tuple[Parts, Parts]:
@@ -269,6 +314,8 @@ class PagePool:
         ``track=False`` (inside a compiled step, whose reads are not arrays yet).
         """
         n = index.shape[0] // (self.num_kv_heads * rows)  # pages per row
+        if self.write_kernel:
+            index = index + self._after[layer]  # (0: the take runs after the layer's token writes)
 
         def read(arrays: list[mx.array]) -> Parts:
             out = []
@@ -288,11 +335,15 @@ class PagePool:
         return self._k[layer][0], self._v[layer][0]
 
     def storage(self, layer: int) -> list[mx.array]:
-        """Every array holding ``layer``'s pages (K's codec components, then V's).
-        Evaluating them settles the layer's pending writes and nothing downstream (a
-        prefill chunk then computes K/V but no logits). Do not keep them (see
-        ``layer_arrays``)."""
+        """Every array holding ``layer``'s pages (K's codec components, then V's). Do
+        not keep them (see ``layer_arrays``)."""
         return self._k[layer] + self._v[layer]
+
+    def written(self, layer: int) -> list[mx.array]:
+        """What to evaluate to settle ``layer``'s pending writes and nothing downstream
+        (a prefill chunk then computes K/V but no logits): ``storage`` and
+        ``write_order``. Do not keep them."""
+        return [*self.storage(layer), self._after[layer]]
 
     # ------------------------------------------------------------------ pages as bytes
     def layout_description(self) -> dict[str, str]:
@@ -319,6 +370,7 @@ class PagePool:
         [n, kv_heads, page_size, width] (page-major: page i is ``a[i]``, contiguous);
         bfloat16 comes as its uint16 bit patterns. O(bytes)."""
         ids = self.allocator.checked_ids(pages)
+        self._finish_writes()
         take = mx.array(self.array_rows(ids).T.reshape(-1).astype(np.int32))  # page-major rows
         parts = []
         for layer in range(self.num_layers):
@@ -349,6 +401,7 @@ class PagePool:
             block = mx.array(np.ascontiguousarray(arr).reshape(-1, *shape[2:]))
             blocks.append(block.view(mx.bfloat16) if dtype == mx.bfloat16 else block)
         rows = mx.array(self.array_rows(ids).T.reshape(-1).astype(np.int32))  # page-major, as the data
+        self._finish_writes()
         it = iter(blocks)
         for layer in range(self.num_layers):
             self._writes.settle(layer)
@@ -369,6 +422,7 @@ class PagePool:
         if src.size == 0:
             return
         check_write_targets(self.allocator, dst, "copy_pages")
+        self._finish_writes()
         s = mx.array(self.array_rows(src).reshape(-1).astype(np.int32))
         d = mx.array(self.array_rows(dst).reshape(-1).astype(np.int32))
         for layer in range(self.num_layers):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from pagedkv.cache import kv_pages_for, kv_pool_layers
 from pagedkv.codec import AffineQuant, rotated
 from pagedkv.errors import InvalidValueError, NotSupportedError, check_int
 from pagedkv.mlx_lm_caches import flat_caches
@@ -48,9 +49,11 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
     forward on mlx-lm's own caches) and, for a hybrid model, a ``StatePool`` for its
     recurrent layers, together within ``max_bytes``: ``state_slots`` slots (default 64:
     running requests plus prefix checkpoints) come off the budget first, the rest is
-    pages. One pool layer per attention cache, full or sliding-window (``KVCache``,
-    ``RotatingKVCache``), as ``make_paged_cache`` lays them out (a smaller pool would
-    group them: ``layout_for``).
+    pages. The pool has ``kv_pool_layers(model)`` layers: one per attention cache for a
+    model of one kind, and for a model with sliding-window layers (``RotatingKVCache``)
+    as many as it has full-attention layers, so that ``make_paged_cache`` lays the
+    layers out in groups (``layout_for``) and a long sequence's full-attention pages
+    keep no room for the sliding layers.
     """
     check_int("max_bytes", max_bytes, minimum=1)
     cache = _probe(model)
@@ -69,7 +72,7 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
         raise InvalidValueError("state_slots is for hybrid models; this one has no recurrent layers")
     left = max_bytes - (states.nbytes if states is not None else 0)
     _, heads, _, head_dim = attn[0].keys.shape
-    kv = dict(num_layers=len(attn), num_kv_heads=heads, head_dim=head_dim, v_head_dim=attn[0].values.shape[-1],
+    kv = dict(num_layers=kv_pool_layers(model), num_kv_heads=heads, head_dim=head_dim, v_head_dim=attn[0].values.shape[-1],
               page_size=page_size, dtype=attn[0].keys.dtype)
     per_page = PagePool(**kv, num_pages=2, cache_limit=None).bytes_per_page
     if left < 2 * per_page:
@@ -80,8 +83,10 @@ def pools_for_model(model, *, max_bytes: int, page_size: int = 16,
 
 def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, max_bytes: int | None = None,
              kv_bits: int | None = None) -> PagePool:
-    """A pool for ``lm`` (a ``LoadedModel``) holding ``tokens`` tokens per layer, or as
-    many pages as ``max_bytes`` (K + V of all layers) holds when it is given.
+    """A pool for ``lm`` (a ``LoadedModel``) holding one sequence of ``tokens`` tokens,
+    or as many pages as ``max_bytes`` (K + V of all its layers) holds when it is given.
+    It has ``kv_pool_layers(lm.model)`` layers, as ``pools_for_model``'s pool (a model
+    with sliding-window layers is laid out in groups), and ``kv_pages_for`` pages.
 
     ``kv_bits`` stores K and V quantised with scales in the model's dtype (as mlx-lm's
     ``QuantizedKVCache``, so a bf16 model's quantised step stays bf16): 8 bits plain affine (group
@@ -89,10 +94,12 @@ def pool_for(lm, *, page_size: int = 16, tokens: int = 4096, max_bytes: int | No
     (group 32), which measured 2.6x lower KL than plain affine at 4 bits on SmolLM2
     (bench/RESULTS.md).
     """
-    size = dict(max_bytes=max_bytes) if max_bytes is not None else dict(num_pages=-(-tokens // page_size) + 1)
+    layers = kv_pool_layers(lm.model)
+    size = (dict(max_bytes=max_bytes) if max_bytes is not None
+            else dict(num_pages=kv_pages_for(lm.model, tokens, page_size, layers)))
     v_head_dim = lm.v_head_dim or lm.head_dim
-    common = dict(num_layers=lm.num_layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                  v_head_dim=v_head_dim, page_size=page_size, dtype=kv_dtype(lm.model), **size)  # (+ 1: the null page)
+    common = dict(num_layers=layers, num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+                  v_head_dim=v_head_dim, page_size=page_size, dtype=kv_dtype(lm.model), **size)
     if kv_bits is None:
         return PagePool(**common)
     if kv_bits >= 8:

@@ -26,6 +26,7 @@ from pagedkv import (
     NotSupportedError,
     PagedBatch,
     PagePool,
+    PoolExhausted,
     StatePool,
     make_paged_cache,
     pools_for_model,
@@ -275,27 +276,60 @@ def test_a_hybrid_family_whose_states_do_not_count_tokens_is_refused_by_its_stat
 
 
 @pytest.mark.parametrize("family", ["cohere2", "gpt_oss", "olmo3"])
-def test_pools_for_model_sizes_a_sliding_window_family_that_then_decodes_as_mlx_lm(family):
-    """A layer per attention layer, each at its own pool layer (one table per kind); the
-    same model on a pool of ``kv_pool_layers`` layers is laid out in groups, a table
-    each, and decodes the same tokens."""
-    from pagedkv.cache import kv_pool_layers, layout_for
+def test_pools_for_model_sizes_a_sliding_window_family_in_groups_that_then_decodes_as_mlx_lm(family):
+    """The factory's pool has ``kv_pool_layers`` layers, so the model is laid out in
+    groups, a table each, and decodes mlx-lm's tokens; a pool with a layer per
+    attention layer puts each at its own pool layer (one table per kind) and decodes
+    the same tokens."""
+    from pagedkv.cache import kv_pages_for, kv_pool_layers, layout_for
 
     model = family_model(family, FAMILIES[family])
     pool, states = pools_for_model(model, max_bytes=1 << 20, page_size=4)
     ref_cache = make_prompt_cache(model)
-    assert states is None and pool.num_layers == len(ref_cache)
-    assert [layer for _, layer in layout_for(model, pool).layers] == list(range(len(ref_cache)))
     kinds = [None if type(c).__name__ == "KVCache" else c.max_size for c in ref_cache]
-    small = PagePool(num_layers=kv_pool_layers(model), num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
-                     page_size=4, num_pages=160, dtype=pool.dtype)
-    assert small.num_layers == kinds.count(None) < len(ref_cache)
-    assert len(layout_for(model, small).specs) == sum(-(-kinds.count(k) // small.num_layers) for k in set(kinds))
-    with make_paged_cache(model, small) as cache:
-        assert greedy(model, prompt_of(30), cache, 12)[0] == greedy(model, prompt_of(30), make_prompt_cache(model), 12)[0]
+    assert states is None and pool.num_layers == kv_pool_layers(model) == kinds.count(None) < len(ref_cache)
+    assert len(layout_for(model, pool).specs) == sum(-(-kinds.count(k) // pool.num_layers) for k in set(kinds))
+    per_layer = PagePool(num_layers=len(ref_cache), num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                         page_size=4, num_pages=kv_pages_for(model, 42, 4, len(ref_cache)), dtype=pool.dtype)
+    assert [layer for _, layer in layout_for(model, per_layer).layers] == list(range(len(ref_cache)))
+    want = greedy(model, prompt_of(30), ref_cache, 12)[0]
     with make_paged_cache(model, pool) as cache:
-        tokens, _ = greedy(model, prompt_of(30), cache, 12)  # past the window (12): its pages go back
-    assert tokens == greedy(model, prompt_of(30), ref_cache, 12)[0]
+        assert greedy(model, prompt_of(30), cache, 12)[0] == want  # past the window (12): its pages go back
+    with make_paged_cache(model, per_layer) as cache:
+        assert greedy(model, prompt_of(30), cache, 12)[0] == want
+
+
+@pytest.mark.parametrize("family", ["llama", "cohere2", "gpt_oss"])
+def test_kv_pages_for_holds_a_sequence_of_that_many_tokens(family):
+    """A pool of ``kv_pages_for(model, T, chunk=...)`` pages (grouped, and a layer per
+    layer) takes a sequence to T tokens; for a model without sliding windows the count
+    is exact (one page fewer runs out), and groups need fewer bytes than a layer per
+    layer for a sequence past the window."""
+    from pagedkv.cache import kv_pages_for
+
+    model = family_model(family, FAMILIES[family]) if family != "llama" else make_model("llama")
+    probe, _ = pools_for_model(model, max_bytes=1 << 20, page_size=4)
+    all_layers = len(make_prompt_cache(model))
+    for tokens in (9, 40):
+        nbytes = {}
+        for layers in (probe.num_layers, all_layers):
+            need = kv_pages_for(model, tokens, 4, layers, chunk=tokens - 4)
+            for pages in (need, need - 1):
+                pool = PagePool(num_layers=layers, num_kv_heads=probe.num_kv_heads, head_dim=probe.head_dim,
+                                page_size=4, num_pages=pages, dtype=probe.dtype)
+                with make_paged_cache(model, pool) as cache:
+                    try:
+                        greedy(model, prompt_of(tokens - 4), cache, 4)  # a prefill of T - 4, then 4 steps
+                        ran = True
+                    except PoolExhausted:
+                        ran = False
+                if pages == need:
+                    assert ran, (layers, tokens, pages)
+                    nbytes[layers] = pool.nbytes
+                elif family == "llama":
+                    assert not ran, (layers, tokens, pages)
+        if family != "llama" and tokens == 40:
+            assert nbytes[probe.num_layers] < nbytes[all_layers]
 
 
 def test_a_model_without_attention_layers_is_refused_by_make_paged_cache():

@@ -6,6 +6,7 @@ import pytest
 from tiny_models import PAGE_KINDS, codecs_for
 
 from pagedkv import (
+    InvalidTypeError,
     InvalidValueError,
     KvDTypeError,
     KvShapeError,
@@ -54,6 +55,34 @@ def test_pool_rejects_bad_configuration(kwargs):
     base.update(kwargs)
     with pytest.raises((ValueError, TypeError)):
         PagePool(**base)
+
+
+def test_the_write_kernel_is_refused_where_there_is_no_cuda_gpu_and_off_by_default():
+    base = dict(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=8)
+    with pytest.raises(InvalidTypeError):
+        PagePool(**base, write_kernel="yes")
+    assert not PagePool(**base).write_kernel
+    assert not PagePool(**base, write_kernel=False).write_kernel
+    if not paged_decode.available():
+        with pytest.raises(InvalidValueError, match="CUDA"):
+            PagePool(**base, write_kernel=True)
+
+
+def test_the_write_kernel_comes_on_where_a_layout_writes_a_pool_in_groups_on_a_cuda_gpu():
+    from tiny_models import kv_dims, make_model
+
+    from pagedkv import kv_pool_layers, layout_for
+
+    model = make_model("gemma3_text")
+    _, heads, head_dim = kv_dims("gemma3_text")
+    kw = dict(num_kv_heads=heads, head_dim=head_dim, num_pages=64, dtype=mx.float32)
+    grouped, per_layer = (PagePool(num_layers=n, **kw) for n in (kv_pool_layers(model), len(model.layers)))
+    forced = PagePool(num_layers=kv_pool_layers(model), write_kernel=False, **kw)
+    assert not grouped.write_kernel and not per_layer.write_kernel
+    for pool in (grouped, per_layer, forced):
+        layout_for(model, pool)
+    assert grouped.write_kernel == paged_decode.available()  # (the scatter copies there: page_write)
+    assert not per_layer.write_kernel and not forced.write_kernel
 
 
 def test_pool_needs_an_allocator_of_its_size_with_a_null_page():

@@ -122,7 +122,7 @@ def test_a_routed_step_gathers_each_layer_once_and_keeps_no_copy(monkeypatch):
         assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
 
 
-def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size, sinks=None):
+def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size, sinks=None, after=None):
     """What the CUDA kernel computes, from the same arguments: each row's pages in table
     order, tokens [starts, lengths), attention of its one query (with ``sinks``)."""
     b, hq, _, d = q.shape

@@ -115,7 +115,7 @@ def _kernel(name: str, shared_bytes: int = 0):
             body = _CUDA["pass1_mma" if name == "mma" else "pass1_fma"]
             k = mx.fast.cuda_kernel(
                 name=f"pagedkv_decode_{name}",
-                input_names=["queries", "kpool", "vpool", "table", "lengths", "starts", "scale", "dims"],
+                input_names=["queries", "kpool", "vpool", "table", "lengths", "starts", "scale", "dims", "after"],
                 output_names=["part_acc", "part_ml"], source=_CUDA["block"] + body + _CUDA["write_partials"], header=_CUDA["header"],
                 shared_memory=shared_bytes,
             )
@@ -129,6 +129,10 @@ def _kernel(name: str, shared_bytes: int = 0):
 
 
 _NO_SINKS = mx.zeros((1,), mx.float32)  # the merge's sinks input when a layer has none (unread)
+NO_WRITES = mx.zeros((1,), mx.int32)
+"""The ``after`` input of a kernel reading a pool that has no token writes pending
+(unread; see ``pagedkv.kernels.page_write``)."""
+mx.eval(_NO_SINKS, NO_WRITES)  # (now: a lazy array made here could not be evaluated on another thread)
 
 
 def scale_array(scale: float) -> mx.array:
@@ -179,7 +183,7 @@ def shared_pages(pages_per_split: int) -> int:
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
                  starts: mx.array, scale: float, *, num_pages: int, page_size: int,
                  splits: int | None = None, pipeline: Pipeline = DEFAULT_PIPELINE,
-                 poison: bool = False, sinks: mx.array | None = None) -> mx.array:
+                 poison: bool = False, sinks: mx.array | None = None, after: mx.array | None = None) -> mx.array:
     """Attention of ``q`` [B, Hq, 1, D] over paged K/V; returns [B, Hq, 1, D].
 
     ``k_pool``/``v_pool``: one layer's pool arrays [kv_heads * num_pages, page_size, D];
@@ -187,6 +191,8 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
     ``splits`` (default: ``choose_splits``) cuts each row's pages into that many blocks.
     ``poison`` fills the outputs with NaN before the kernels run (tests: every element
     must be written). ``sinks``: [Hq] attention-sink logits, or None (see ``merge_splits``).
+    ``after``: ``PagePool.write_order(layer)``, so the kernel runs after the layer's
+    pending in-place token writes (unread).
     """
     init = {"init_value": float("nan")} if poison else {}
     b, hq, lq, d = q.shape
@@ -213,7 +219,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
                          f"REP={rep}; a block may use {MAX_SHARED_BYTES}")
     part_acc, part_ml = _kernel("mma" if mma else "fma", shared)(
         inputs=[q, k_pool, v_pool, table, lengths, starts,  # (q as it is: the kernel reads it flat)
-                scale_array(scale), dims],
+                scale_array(scale), dims, NO_WRITES if after is None else after],
         template=template, grid=(b * hkv * s * warps * 32, 1, 1), threadgroup=(warps * 32, 1, 1),
         output_shapes=[(b * hq * s * d,), (b * hq * s * 2,)], output_dtypes=[mx.float32, mx.float32],
         **init,

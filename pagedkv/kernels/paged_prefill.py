@@ -92,7 +92,7 @@ def _kernel(d: int, tiling: Tiling):
     if k is None:
         k = _KERNELS[(d, tiling)] = mx.fast.cuda_kernel(
             name="pagedkv_prefill",
-            input_names=["queries", "kpool", "vpool", "table", "lengths", "starts", "scale", "dims"],
+            input_names=["queries", "kpool", "vpool", "table", "lengths", "starts", "scale", "dims", "after"],
             output_names=["part_acc", "part_ml"], source=_CUDA["prefill"],
             header=_DECODE["header"] + _CUDA["header"], shared_memory=tiling.shared_bytes(d),
         )
@@ -109,7 +109,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
                   starts: mx.array, scale: float, *, num_pages: int, page_size: int,
                   window: int | None = None, splits: int | None = None,
                   tiling: Tiling | None = None, poison: bool = False,
-                  sinks: mx.array | None = None) -> mx.array:
+                  sinks: mx.array | None = None, after: mx.array | None = None) -> mx.array:
     """Causal attention of ``q`` [B, Hq, L, D] (each row's last L positions) over paged
     K/V; returns [B, Hq, L, D] in ``q``'s dtype.
 
@@ -119,6 +119,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     window per query (None: none). ``splits`` (default ``choose_splits``) cuts each
     tile's keys; ``tiling`` (default ``choose_tiling``); ``poison`` fills the outputs with NaN first (tests: all are written).
     ``sinks``: [Hq] attention-sink logits, or None (``paged_decode.merge_splits``).
+    ``after``: as ``paged_decode``'s (the layer's pending token writes run first).
     """
     b, hq, lq, d = q.shape
     hkv = k_pool.shape[0] // num_pages
@@ -135,7 +136,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     init = {"init_value": float("nan")} if poison else {}
     part_acc, part_ml = _kernel(d, tiling)(
         inputs=[q, k_pool, v_pool, table, lengths, starts,
-                paged_decode.scale_array(scale), dims],
+                paged_decode.scale_array(scale), dims, paged_decode.NO_WRITES if after is None else after],
         template=[("T", q.dtype), ("D", d), ("PS", page_size), ("HKV", hkv), ("REP", rep),
                   ("WARPS", WARPS), ("MT", tiling.m_tiles), ("BN", tiling.keys)],
         grid=(b * hkv * tiles * s * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
