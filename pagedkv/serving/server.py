@@ -149,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
     lm = loaded[0]
     pool = engine.pool
     print(f"model '{lm.name}': {lm.num_layers} layers, {lm.num_kv_heads} KV heads, head_dim {lm.head_dim}; "
-          f"KV pool {pool.usable_pages} pages of {pool.page_size} tokens ({pool.nbytes / 2**20:.1f} MiB, "
+          f"KV pool {pool.usable_pages} pages of {pool.page_size} tokens x {pool.num_layers} layers"
+          f"{' (in layer groups)' if pool.num_layers < lm.num_layers else ''} ({pool.nbytes / 2**20:.1f} MiB, "
           f"K {pool.k_codec.label()}, V {pool.v_codec.label()})", file=sys.stderr, flush=True)
     app = create_app(thread, lm, default_max_tokens=args.max_tokens, on_shutdown=lambda: stop(thread))
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
