@@ -455,6 +455,17 @@ def layout_for(model, pool: PagePool, *, sliding_pool: PagePool | None = None,
     return LayerLayout(tuple(specs), tuple(layers), state_slots, state_pool if state_slots else None, groups)
 
 
+def _attention_kinds(model, max_kv_size: int | None) -> dict[int | None, int]:
+    """How many attention layers ``model`` has of each kind (None: full attention, else
+    the window), recurrent layers left out."""
+    counts: dict[int | None, int] = {}
+    for entry in _layer_windows(model, max_kv_size):
+        for w in entry:
+            if w != _RECURRENT:
+                counts[w] = counts.get(w, 0) + 1
+    return counts
+
+
 def kv_pages_for(model, tokens: int, page_size: int, pool_layers: int | None = None, chunk: int = 512) -> int:
     """Pages a pool of ``pool_layers`` layers (default ``kv_pool_layers(model)``) needs
     for one sequence of ``tokens`` tokens written at most ``chunk`` per forward (a
@@ -465,11 +476,7 @@ def kv_pages_for(model, tokens: int, page_size: int, pool_layers: int | None = N
     page_size = check_int("page_size", page_size, minimum=1)
     chunk = check_int("chunk", chunk, minimum=1)
     layers = kv_pool_layers(model) if pool_layers is None else check_int("pool_layers", pool_layers, minimum=1)
-    counts: dict[int | None, int] = {}
-    for entry in _layer_windows(model, None):
-        for w in entry:
-            if w != _RECURRENT:
-                counts[w] = counts.get(w, 0) + 1
+    counts = _attention_kinds(model, None)
     full = -(-tokens // page_size)
     grouped = sum(counts.values()) > layers  # (else a pool layer per layer: one table per kind)
     total = 1
@@ -487,11 +494,7 @@ def kv_pool_layers(model, max_kv_size: int | None = None) -> int:
     (the last one may leave layers unused, in window pages only). A model without
     full-attention layers: its smallest kind of sliding layers. For a model of one kind,
     all of its attention layers. The pool factories size pools with it."""
-    counts: dict[int | None, int] = {}
-    for entry in _layer_windows(model, max_kv_size):
-        for w in entry:
-            if w != _RECURRENT:
-                counts[w] = counts.get(w, 0) + 1
+    counts = _attention_kinds(model, max_kv_size)
     if not counts:
         raise NotSupportedError("the model has no attention layers (no K/V for pages to hold)")
     return counts[None] if None in counts else min(counts.values())

@@ -37,6 +37,7 @@ are copied first (``ensure_row_contiguous``): the step's tokens, not the pool.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlx.core as mx
@@ -80,9 +81,7 @@ def write_tokens(k_pool: mx.array, v_pool: mx.array, rows: mx.array, slots: mx.a
     The caller checks shapes and indices (out-of-range indices write out of bounds).
     """
     lead = k_vals.shape[:-1]
-    n = 1
-    for s in lead:
-        n *= s
+    n = math.prod(lead)
     wk, wv = k_pool.shape[-1], v_pool.shape[-1]
     r, s = (_flat_index(x, lead, n) for x in (rows, slots))
     total = n * (wk + wv)

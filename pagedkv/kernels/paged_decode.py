@@ -128,11 +128,12 @@ def _kernel(name: str, shared_bytes: int = 0):
     return k
 
 
-_NO_SINKS = mx.zeros((1,), mx.float32)  # the merge's sinks input when a layer has none (unread)
-NO_WRITES = mx.zeros((1,), mx.int32)
+# Constant inputs, made from values (not lazy ops such as mx.zeros, which another
+# thread, a serving engine's, could not evaluate):
+_NO_SINKS = mx.array([0.0], mx.float32)  # the merge's sinks input when a layer has none (unread)
+NO_WRITES = mx.array([0], mx.int32)
 """The ``after`` input of a kernel reading a pool that has no token writes pending
 (unread; see ``pagedkv.kernels.page_write``)."""
-mx.eval(_NO_SINKS, NO_WRITES)  # (now: a lazy array made here could not be evaluated on another thread)
 
 
 def scale_array(scale: float) -> mx.array:
