@@ -14,15 +14,19 @@ page list) and its (first, stop). A call compares those for all rows at once and
 rewrites only the rows that differ; a new row count or width rebuilds everything.
 
 Ownership: the host array is this object's and is overwritten by the next call, so a
-caller that keeps the content copies it (``PageRead`` makes an MLX array of it, which
-copies). No page references are held. Costs per call: O(B) comparisons, plus
-O(width) per changed row; O(B * width) after a change of shape.
+caller that keeps the content copies it. ``device()`` is that copy as an MLX array,
+made once and handed out again until a call changes the table (a decode step's read
+changes it once every ``page_size`` steps per row), together with a list its readers
+share to keep what they derive from it (``PageRead``'s gather index). No page
+references are held. Costs per call: O(B) comparisons, plus O(width) per changed row;
+O(B * width) after a change of shape.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+import mlx.core as mx
 import numpy as np
 
 from pagedkv.table import PageTable
@@ -31,7 +35,7 @@ from pagedkv.table import PageTable
 class PaddedPageTable:
     """One reader's padded page-id table (see the module doc); ``null`` pads rows."""
 
-    __slots__ = ("null", "host", "_tables", "_versions", "_first", "_stop")
+    __slots__ = ("null", "host", "_tables", "_versions", "_first", "_stop", "_device")
 
     def __init__(self, null: int) -> None:
         self.null = null
@@ -39,6 +43,7 @@ class PaddedPageTable:
         self._tables: list[PageTable] = []
         self._versions: list[int] = []
         self._first = self._stop = np.empty(0, dtype=np.int64)
+        self._device: tuple[mx.array, list] | None = None  # (host as MLX, derived arrays)
 
     def update(self, tables: Sequence[PageTable], first: np.ndarray, stop: np.ndarray, width: int) -> np.ndarray:
         """The table for pages [first[b], stop[b]) of ``tables[b]`` (stop clipped to
@@ -48,6 +53,7 @@ class PaddedPageTable:
         if self.host.shape != (b, width):
             self.host = np.full((b, width), self.null, dtype=np.int32)
             changed = range(b)
+            self._device = None
         else:
             moved = (first != self._first) | (stop != self._stop)
             if versions == self._versions and tables == self._tables:  # (the usual step: in C)
@@ -57,6 +63,7 @@ class PaddedPageTable:
                     zip(tables, versions, self._tables, self._versions, moved.tolist()))
                     if m or t is not p or v != pv]
         if changed:
+            self._device = None
             host = self.host
             for i in changed:
                 ids = tables[i].page_ids(int(first[i]), int(stop[i]))
@@ -67,3 +74,11 @@ class PaddedPageTable:
         self._versions = versions
         self._first, self._stop = first, stop
         return self.host
+
+    def device(self) -> tuple[mx.array, list]:
+        """``host`` as of the last ``update``, as an int32 MLX array, and a list its
+        readers share for arrays derived from it; the same two objects until an
+        ``update`` changes the table. O(1), or one copy of the table."""
+        if self._device is None:
+            self._device = (mx.array(self.host), [])
+        return self._device

@@ -17,7 +17,7 @@ straight from the pool where it applies, else the gathered parts through
 Ownership: a PageRead holds page ids, not references; its owner keeps the pages alive
 (a row set's tables, a view's references). Costs: building O(B) plus O(width) per row
 that changed since the owner's last read (``PaddedPageTable``), and one copy of the
-[B, width] table to MLX; ``parts`` one gather of O(B · width) pages; ``mask`` one
+[B, width] table to MLX where it changed; ``parts`` one gather of O(B · width) pages; ``mask`` one
 broadcast.
 """
 
@@ -46,7 +46,8 @@ class PageRead:
     width: int  # gathered tokens per row (a multiple of the page size)
     table: mx.array  # int32 [B, width / page_size] page ids, null-padded
     _kernel_ranges: list = attrs.field(factory=list, eq=False, repr=False)  # made once, for every layer
-    _index: list = attrs.field(factory=list, eq=False, repr=False)  # the gather index, made once if needed
+    # the gather index, made once if needed (shared with other reads of the same table)
+    _index: list = attrs.field(factory=list, eq=False, repr=False)
 
     @classmethod
     def of(cls, pool: PagePool, tables: Sequence[PageTable], lo: np.ndarray, hi: np.ndarray,
@@ -61,8 +62,9 @@ class PageRead:
         width = -(-width // bucket) * bucket
         if padded is None:
             padded = PaddedPageTable(pool.null_page)
-        host = padded.update(tables, first, stop, width)
-        return cls(pool, lo, hi, first * ps, width * ps, mx.array(host))
+        padded.update(tables, first, stop, width)
+        table, derived = padded.device()
+        return cls(pool, lo, hi, first * ps, width * ps, table, index=derived)
 
     @property
     def num_rows(self) -> int:

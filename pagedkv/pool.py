@@ -169,6 +169,7 @@ class PagePool:
         self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.num_pages
         self._head_base_rows = mx.array(self._head_base.astype(np.int32))  # (as gather_index adds it)
         self._writes = InPlaceWrites(self.num_layers, sync_before_rewrite)  # one group per layer
+        self._kv_seen: dict[tuple, int] = {}  # (keys shape, values shape, rows) check_kv passed -> T
         # per layer: the ``done`` of its latest in-place token write (write_order)
         self._after = [paged_decode.NO_WRITES] * self.num_layers
         if cache_limit is not None:
@@ -221,7 +222,13 @@ class PagePool:
     def check_kv(self, keys: mx.array, values: mx.array, rows: int | None = None) -> int:
         """Raise ``KvShapeError``/``KvDTypeError`` unless ``keys``/``values`` are
         [rows, kv_heads, T, D] mx.arrays (without ``rows``: [kv_heads, T, D]) of the pool's
-        dtype with the same T >= 1; returns T."""
+        dtype with the same T >= 1; returns T. O(1); a step's layers repeat one check, so
+        the shapes that passed are remembered (a few: prefill chunks, decode)."""
+        if type(keys) is mx.array and type(values) is mx.array and keys.dtype == self.dtype \
+                and values.dtype == self.dtype:
+            seen = self._kv_seen.get((keys.shape, values.shape, rows))
+            if seen is not None:
+                return seen
         lead = () if rows is None else (rows,)
         for name, x, d in (("keys", keys, self.head_dim), ("values", values, self.v_head_dim)):
             if not isinstance(x, mx.array):
@@ -233,6 +240,9 @@ class PagePool:
                 raise KvDTypeError(f"{name} dtype {x.dtype} != pool dtype {self.dtype}")
         if keys.shape[-2] != values.shape[-2]:
             raise KvShapeError(f"keys have {keys.shape[-2]} tokens, values {values.shape[-2]}")
+        if len(self._kv_seen) >= 16:
+            self._kv_seen.clear()
+        self._kv_seen[(keys.shape, values.shape, rows)] = keys.shape[-2]
         return keys.shape[-2]
 
     def write(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:

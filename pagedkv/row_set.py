@@ -197,6 +197,7 @@ class RowSet:
         self._journal: list = []
         self._step_specs: set[int] = set()
         self._step_from = np.zeros(0, dtype=np.int64)
+        self._step_key = b""
         self._step_count = 0
         self._saved: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._writers = 0
@@ -501,15 +502,16 @@ class RowSet:
     def check_kv(self, layer: int, keys: mx.array, values: mx.array) -> int:
         """Raise a typed error unless ``keys``/``values`` fit a write of ``layer`` (one
         [kv_heads, T, D] block per row); returns T. Changes nothing."""
-        if self.num_rows == 0:
+        b = self.offsets.shape[1]
+        if b == 0:
             raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
-        if self.num_rows == 1 and getattr(keys, "ndim", 0) == 4 and keys.shape[0] != 1:
+        if b == 1 and getattr(keys, "ndim", 0) == 4 and keys.shape[0] != 1:
             raise NotSupportedError(f"a one-sequence cache takes batch 1, got {keys.shape[0]} (use PagedBatch)")
-        return self.pool_of(layer).check_kv(keys, values, rows=self.num_rows)
+        return self.layout.specs[self.layout.layers[layer][0]].pool.check_kv(keys, values, rows=b)
 
     def _continues_step(self, start: np.ndarray, count: int) -> bool:
         """A write of ``count`` tokens per row at ``start`` belongs to the open step."""
-        return count == self._step_count and np.array_equal(start, self._step_from)
+        return count == self._step_count and start.tobytes() == self._step_key
 
     def _prepare(self, layer: int, start: np.ndarray, count: int) -> None:
         """Make tokens [start, start + count) of every row of ``layer``'s tables writable."""
@@ -594,6 +596,7 @@ class RowSet:
             self._journal.append((functools.partial(t.commit, records[0]), functools.partial(t.undo, records[0])))
         self._step_specs = set(growing)
         self._step_from = start.copy()
+        self._step_key = start.tobytes()  # (int64 [B], as ``offsets`` rows: compared per layer)
         self._step_count = count
         self._writers = sum(1 for s, _ in self.layout.layers if s in self._step_specs) + len(self.layout.state_slots)
         self._changed()
@@ -635,7 +638,8 @@ class RowSet:
     # ------------------------------------------------------------------ indices
     def write_index(self, spec: int, start: np.ndarray, count: int) -> tuple[mx.array, mx.array]:
         """(pool array rows, slots) of tokens [start, start + count) of every row of
-        ``spec``'s tables, int32 [B, kv_heads, count] each: they index a layer array with
+        ``spec``'s tables, int32 [B, kv_heads, count] (slots of a one-token step [B, 1, 1],
+        which broadcasts over the heads): they index a layer array with
         the step's keys/values [B, kv_heads, count, D] as the model makes them, so no
         layer transposes or copies them first. Memoised until the rows or their pages
         change."""
@@ -645,15 +649,17 @@ class RowSet:
             return hit
         pool = self.layout.specs[spec].pool
         ps, h = pool.page_size, pool.num_kv_heads
-        pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
         tables = self._tables[spec]
         b = len(tables)
         if count == 1:  # a decode step: one page per row, looked up without arrays
             pages = np.fromiter(map(PageTable.page_at, tables, (start // ps).tolist()), np.int64, b)
+            rows = pool.array_rows(pages).T[:, :, None]
+            slots = (start % ps)[:, None, None]  # (broadcast over the heads by the write)
         else:
+            pos = start[:, None] + np.arange(count)[None, :]  # [B, T]
             pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(tables, pos)])
-        rows = pool.array_rows(pages).reshape(h, b, count).transpose(1, 0, 2)
-        slots = np.broadcast_to((pos % ps)[:, None, :], (b, h, count))
+            rows = pool.array_rows(pages).reshape(h, b, count).transpose(1, 0, 2)
+            slots = np.broadcast_to((pos % ps)[:, None, :], (b, h, count))
         hit = self._memo[key] = (mx.array(rows.astype(np.int32)), mx.array(slots.astype(np.int32)))
         return hit
 
@@ -677,13 +683,21 @@ class RowSet:
                                                  padded=self._padded[spec])
         return plan
 
+    def visible_read(self, layer: int) -> PageRead:
+        """``read_plan`` of the layer's visible range, memoised per spec and position
+        (every layer of a step asks for it twice: its read and its attention)."""
+        key = ("v", self.layout.layers[layer][0], self.step_starts[layer].tobytes(), self.offsets[layer].tobytes())
+        plan = self._memo.get(key)
+        if plan is None:
+            plan = self._memo[key] = self.read_plan(layer, *self.visible_range(layer))
+        return plan
+
     def read(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None,
              exact: bool = True):
         """The gathered page components of tokens [lo, hi) per row (default: the
         layer's visible range); layout as ``PageRead.parts(exact)``."""
-        if lo is None:
-            lo, hi = self.visible_range(layer)
-        return self.read_plan(layer, lo, hi).parts(self.layout.layers[layer][1], exact)
+        plan = self.visible_read(layer) if lo is None else self.read_plan(layer, lo, hi)
+        return plan.parts(self.layout.layers[layer][1], exact)
 
     def mask(self, layer: int, n_queries: int, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, width] for the keys the layer's next write of
@@ -714,9 +728,9 @@ class RowSet:
         pages (``PageRead.attend``); ``mask_is_ours``: ``mask`` is None or what ``mask``
         made for this step; ``parts``: what ``read`` already gathered for it; ``sinks``:
         [n_heads] attention-sink logits, or None."""
-        return self.read_plan(layer, *self.visible_range(layer)).attend(
-            self.layout.layers[layer][1], queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts,
-            window=self.spec_of(layer).window, sinks=sinks)
+        spec, pool_layer = self.layout.layers[layer]
+        return self.visible_read(layer).attend(pool_layer, queries, scale, mask, exact=exact, kernel=mask_is_ours,
+                                               parts=parts, window=self.layout.specs[spec].window, sinks=sinks)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:

@@ -57,9 +57,9 @@ def _any_must_copy(alloc, pages: np.ndarray) -> bool:
     where the allocator offers ``needs_copy`` (``RefCountingAllocator``), else
     ``_must_copy`` page by page. O(len(pages))."""
     needs_copy = getattr(alloc, "needs_copy", None)
-    if needs_copy is not None:
+    if needs_copy is not None and pages.size > 4:
         return bool(needs_copy(pages).any())
-    return any(_must_copy(alloc, p) for p in pages.tolist())
+    return any(_must_copy(alloc, p) for p in pages.tolist())  # (a few pages: cheaper one by one)
 
 
 def _check_supply(alloc, need: np.ndarray, supply) -> np.ndarray:
@@ -423,7 +423,7 @@ class BatchAppend:
     query; ``apply`` one allocation and O(pages allocated), plus O(B) with a window.
     """
 
-    __slots__ = ("tables", "count", "need", "_tokens", "_listed", "_new", "_supplied", "_drops")
+    __slots__ = ("tables", "count", "need", "num_new_pages", "_tokens", "_listed", "_new", "_supplied", "_drops")
 
     def __init__(self, tables: list[PageTable], count: int, need: np.ndarray, tokens: np.ndarray,
                  listed: np.ndarray, supplied: np.ndarray) -> None:
@@ -431,6 +431,8 @@ class BatchAppend:
         self.need = need  # int64 [B]: pages each table gets
         self._tokens, self._listed = tokens, listed
         self._supplied = supplied  # int64 [B]: the supplied page each table takes, or -1
+        # pages to allocate (supplied pages not counted)
+        self.num_new_pages = int(need.sum()) - (int((supplied >= 0).sum()) if supplied.size else 0)
         self._new = _NO_PAGES
         self._drops: list[tuple[PageTable, int, np.ndarray]] = []  # (table, its _dropped before, pages dropped)
 
@@ -453,9 +455,9 @@ class BatchAppend:
         stop = -(-(tokens + count) // ps)
         first = tokens // ps
         span = np.minimum(stop, listed) - first  # listed pages in the written range
-        if (span > 1).any():
+        if span.max() > 1:
             return None
-        partial = np.flatnonzero(span == 1)
+        partial = (span == 1).nonzero()[0]
         if partial.size:
             at = first[partial].tolist()
             last = np.fromiter((tables[i]._pages[p] for i, p in zip(partial.tolist(), at)), np.int64, partial.size)
@@ -468,11 +470,6 @@ class BatchAppend:
     @property
     def pool(self) -> PagePool:
         return self.tables[0].pool
-
-    @property
-    def num_new_pages(self) -> int:
-        """Pages to allocate (supplied pages not counted)."""
-        return int(self.need.sum()) - int((self._supplied >= 0).sum())
 
     def apply(self) -> None:
         total = self.num_new_pages

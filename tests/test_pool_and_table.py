@@ -139,7 +139,8 @@ def test_tokens_written_across_pages_read_back_as_written_at_once_on_every_page_
 def test_bad_input_raises_typed_error_and_changes_nothing(keys, values, error, pages):
     pool = pool_of(pages=pages)
     cache = PagedKVCache(PageTable(pool), 0)
-    cache.update_and_fetch(*kv(5))
+    cache.update_and_fetch(*kv(2))
+    cache.update_and_fetch(*kv(3))  # (the pool remembers shapes that passed: 3 tokens is one)
     before = pool_snapshot(pool)
     with pytest.raises(error):
         cache.update_and_fetch(keys, values)
@@ -457,6 +458,7 @@ def test_padded_page_table_follows_every_kind_of_table_change():
         width = int((stop - first).max()) + 1
         got = padded.update(tables, first, stop, width).copy()
         np.testing.assert_array_equal(got, _fresh_table(tables, first, stop, width, pool.null_page))
+        np.testing.assert_array_equal(np.array(padded.device()[0]), got)  # the kept MLX copy follows
         for row, t, f, s in zip(got, tables, first, stop):  # and it is what the tables list
             np.testing.assert_array_equal(row[: s - f], t.pages[f:s])
 
@@ -508,12 +510,16 @@ def test_padded_page_table_rebuilds_only_the_rows_that_changed(monkeypatch):
     update()
     assert len(read) == 4
     read.clear()
+    kept = padded.device()
     for t in tables:  # tokens into each row's partial page: no page list changes
         t.prepare_write(t.num_tokens, 1)
     update()
     assert read == []
+    assert padded.device() is kept  # nothing changed: the same MLX copy, not a new one
     tables[2].prepare_write(tables[2].num_tokens, 2)  # row 2 grows a page
     update()
     assert read == [tables[2]]
+    assert padded.device() is not kept and padded.device()[1] == []
+    np.testing.assert_array_equal(np.array(padded.device()[0]), padded.host)
     for t in tables:
         t.release()
