@@ -74,16 +74,14 @@ class LayerFace:
         """Append [B, kv_heads, T, D] keys/values; return the keys/values this step's
         queries may see (float K/V, or packed triples on ``bits`` caches)."""
         self.rows.write(self.layer, keys, values)
-        parts = self.rows.read(self.layer, exact=self.exact)
-        self._fetched = (self._position(), [[weakref.ref(x) for x in p] for p in parts])
+        read = self.rows.visible_read(self.layer)
+        parts = read.parts(self.pool_layer, self.exact)
+        self._fetched = (read, [[weakref.ref(x) for x in p] for p in parts])
         return self.pool.kind.model_inputs(*parts)
 
     def storage(self) -> list[mx.array]:
         """What to evaluate to settle this layer's writes (``PagePool.written``)."""
         return self.pool.written(self.pool_layer)
-
-    def _position(self) -> bytes:
-        return self.rows.offsets[self.layer].tobytes() + self.rows.step_starts[self.layer].tobytes()
 
     def keys_and_values(self):
         """What the last ``update_and_fetch`` returned (KV-sharing layers read this)."""
@@ -98,9 +96,11 @@ class LayerFace:
         ``sinks``: the layer's attention-sink logits [n_heads] (gpt_oss), or None."""
         self.rows.check_alive()
         # The step's gather, if the model still holds it (weak references: a kept read
-        # would keep a copy of the K/V alive and be evaluated at the next write).
+        # would keep a copy of the K/V alive and be evaluated at the next write). The
+        # row set hands out one read per position of a layer until its rows change, so
+        # the same read object means the same keys.
         fetched, self._fetched, parts = self._fetched, None, None
-        if fetched is not None and fetched[0] == self._position():
+        if fetched is not None and fetched[0] is self.rows.visible_read(self.layer):
             parts = tuple(tuple(r() for r in p) for p in fetched[1])
             parts = None if any(x is None for p in parts for x in p) else parts
         return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask),

@@ -122,6 +122,29 @@ def test_a_routed_step_gathers_each_layer_once_and_keeps_no_copy(monkeypatch):
         assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
 
 
+def test_attention_after_a_trim_and_rewrite_at_the_same_position_reads_the_new_keys():
+    """A layer's attention reuses its step's gather only while the read it came from
+    stands: after a trim and a write of other K/V at the same position, it reads those."""
+    pool = make_pool("llama", page_size=8)
+    with make_paged_cache(make_model("llama"), pool) as cache:
+        layer = cache[0]
+        rng = np.random.default_rng(0)
+        kv = lambda t: [mx.array(rng.standard_normal((1, 2, t, 64)).astype(np.float32)) for _ in range(2)]
+        layer.update_and_fetch(*kv(10))
+        held = layer.update_and_fetch(*kv(1))  # the model still holds this step's K/V
+        layer.trim(1)
+        k, v = kv(1)
+        layer.write(k, v)  # (a write that fetches nothing)
+        q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32))
+        got = layer.attend(q, 0.125, None)
+        new_k, new_v = layer.state
+        want = mx.fast.scaled_dot_product_attention(q, new_k, new_v, scale=0.125)
+        assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+        assert np.array_equal(np.array(new_k[:, :, -1:]), np.array(k))
+        stale = mx.fast.scaled_dot_product_attention(q, *held, scale=0.125)
+        assert not np.allclose(np.array(got), np.array(stale), atol=1e-3)
+
+
 def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size, sinks=None, after=None):
     """What the CUDA kernel computes, from the same arguments: each row's pages in table
     order, tokens [starts, lengths), attention of its one query (with ``sinks``)."""
