@@ -12,7 +12,7 @@ per layer is what the user sees in tokens per second.
 Models (mlx-lm's own classes, random weights, ``--dtype``, float32 by default): a llama with 16 layers (hidden
 128, 4 query heads, 2 KV heads of 64), and a ``gemma3_text`` with 12 layers (10 with a
 sliding window of 64, 2 full; pagedkv lays it out in layer groups). Each side prefills
-P tokens, then runs ``--steps`` decode forwards. Per forward, timed apart:
+P tokens (in 512-token forwards), then runs ``--steps`` decode forwards. Per forward, timed apart:
 
 * build: calling the model (graph building only; nothing is evaluated). A one-off numpy
   allocation runs before it on both sides, so the C allocator's tidying after the last
@@ -44,6 +44,7 @@ from mlx_lm.utils import _get_classes
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedkv import PagePool, kv_pages_for, kv_pool_layers, make_paged_cache  # noqa: E402
+from pagedkv.generation import prefill  # noqa: E402
 
 LLAMA = {
     "model_type": "llama", "hidden_size": 128, "num_hidden_layers": 16, "intermediate_size": 96,
@@ -70,9 +71,13 @@ def model_of(config: dict, dtype: mx.Dtype = mx.float32):
 
 
 def paged_cache(model, config: dict, tokens: int, dtype: mx.Dtype = mx.float32):
+    """A pool for one sequence of ``tokens`` tokens prefilled in chunks of up to 2048
+    (mlx-lm's ``generate_step``), in layer groups where the model has sliding layers. A
+    sliding table holds the previous chunk until a step's drops commit, so the pool is
+    sized for two chunks (``kv_pages_for`` counts one: bench/RESULTS.md)."""
     layers = kv_pool_layers(model)
     pool = PagePool(num_layers=layers, num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-                    page_size=PAGE, num_pages=kv_pages_for(model, tokens, PAGE, layers) + 4, dtype=dtype)
+                    page_size=PAGE, num_pages=kv_pages_for(model, tokens, PAGE, layers, chunk=4096) + 4, dtype=dtype)
     return make_paged_cache(model, pool)
 
 
@@ -82,7 +87,7 @@ def timed_steps(model, caches: dict, prompt: list[int], steps: int) -> dict[str,
     Build time is the main thread's CPU time (``time.thread_time``): being descheduled
     does not count."""
     for cache in caches.values():
-        mx.eval(model(mx.array([prompt[:-1]]), cache=cache))
+        prefill(model, cache, prompt[:-1], 512)
     builds = {side: [] for side in caches}
     evals = {side: [] for side in caches}
     out = {side: [] for side in caches}

@@ -17,8 +17,9 @@ Ownership: the host array is this object's and is overwritten by the next call, 
 caller that keeps the content copies it. ``device()`` is that copy as an MLX array,
 made once and handed out again until a call changes the table (a decode step's read
 changes it once every ``page_size`` steps per row), together with a list its readers
-share to keep what they derive from it (``PageRead``'s gather index). No page
-references are held. Costs per call: O(B) comparisons, plus O(width) per changed row;
+share to keep what they derive from it (``PageRead``'s gather index). For one row,
+``run`` says whether its pages are consecutive ids (then a reader may take them as one
+slice of the pool's arrays: ``PagePool.borrow_run``). No page references are held. Costs per call: O(B) comparisons, plus O(width) per changed row;
 O(B * width) after a change of shape.
 """
 
@@ -35,7 +36,7 @@ from pagedkv.table import PageTable
 class PaddedPageTable:
     """One reader's padded page-id table (see the module doc); ``null`` pads rows."""
 
-    __slots__ = ("null", "host", "_tables", "_versions", "_first", "_stop", "_device")
+    __slots__ = ("null", "host", "run", "_tables", "_versions", "_first", "_stop", "_device")
 
     def __init__(self, null: int) -> None:
         self.null = null
@@ -44,6 +45,9 @@ class PaddedPageTable:
         self._versions: list[int] = []
         self._first = self._stop = np.empty(0, dtype=np.int64)
         self._device: tuple[mx.array, list] | None = None  # (host as MLX, derived arrays)
+        # one row whose pages [first, stop) are consecutive ids (a sequence that took its
+        # pages in order from a fresh pool): the first of them, else -1
+        self.run = -1
 
     def update(self, tables: Sequence[PageTable], first: np.ndarray, stop: np.ndarray, width: int) -> np.ndarray:
         """The table for pages [first[b], stop[b]) of ``tables[b]`` (stop clipped to
@@ -70,6 +74,9 @@ class PaddedPageTable:
                 n = ids.size
                 host[i, :n] = ids
                 host[i, n:] = self.null
+            self.run = -1
+            if b == 1 and n and int(ids[-1]) - int(ids[0]) == n - 1 and (ids == ids[0] + np.arange(n)).all():
+                self.run = int(ids[0])
         self._tables = list(tables)
         self._versions = versions
         self._first, self._stop = first, stop

@@ -45,6 +45,7 @@ class PageRead:
     key_base: np.ndarray  # int64 [B]: key position of each row's first gathered column
     width: int  # gathered tokens per row (a multiple of the page size)
     table: mx.array  # int32 [B, width / page_size] page ids, null-padded
+    run: int = -1  # one row whose pages are consecutive ids: the first (PaddedPageTable.run), else -1
     _kernel_ranges: list = attrs.field(factory=list, eq=False, repr=False)  # made once, for every layer
     # the gather index, made once if needed (shared with other reads of the same table)
     _index: list = attrs.field(factory=list, eq=False, repr=False)
@@ -64,7 +65,7 @@ class PageRead:
             padded = PaddedPageTable(pool.null_page)
         padded.update(tables, first, stop, width)
         table, derived = padded.device()
-        return cls(pool, lo, hi, first * ps, width * ps, table, index=derived)
+        return cls(pool, lo, hi, first * ps, width * ps, table, padded.run, index=derived)
 
     @property
     def num_rows(self) -> int:
@@ -86,6 +87,16 @@ class PageRead:
             return self.pool.gather(layer, self.index, int(self.lo[0]) - base, int(self.hi[0]) - base)
         return self.pool.gather(layer, self.index, 0, self.width, rows=self.num_rows)
 
+    def borrowed(self, layer: int, exact: bool):
+        """``parts(exact)`` of one row whose pages are one run of ids, as views of the
+        pool's arrays (``PagePool.borrow_run``: no copy of the context), or None (other
+        rows, or a pool that lends no views). For a reader done with them before the
+        layer's next write."""
+        if self.run < 0 or not exact or self.num_rows != 1:
+            return None
+        base = int(self.key_base[0])
+        return self.pool.borrow_run(layer, self.run, int(self.lo[0]) - base, int(self.hi[0]) - base)
+
     def mask(self, n_queries: int, exact: bool, causal: bool = True, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, keys] over ``parts(exact)``: the queries are each row's
         last ``n_queries`` positions (ending at hi)."""
@@ -93,14 +104,17 @@ class PageRead:
                           window=window)
 
     def attend(self, layer: int, q: mx.array, scale: float, mask, *, exact: bool, kernel: bool,
-               parts=None, window: int | None = None, sinks: mx.array | None = None) -> mx.array:
+               parts=None, window: int | None = None, sinks: mx.array | None = None,
+               borrow: bool = False) -> mx.array:
         """Attention of ``q`` [B, n_heads, L, D] over these keys of pool layer ``layer``. ``mask`` is over
         ``parts(exact)``; ``kernel``: the caller vouches that ``mask`` adds nothing to
         the rows' ranges but causality and ``window`` (the queries are each row's last L
         positions), so the CUDA kernels may apply them instead: decode (one query per
         row) or prefill (several). ``parts``: this read's ``parts(exact)`` if the caller
         already gathered them. ``sinks``: [n_heads] attention-sink logits (gpt_oss), or
-        None; the kernels apply them in their merge."""
+        None; the kernels apply them in their merge. ``borrow``: the caller evaluates
+        the result before the layer's next write (a model's step), so the keys may be
+        ``borrowed`` views instead of ``parts``."""
         pool = self.pool
         if kernel and pool.kind.decode_kernel:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
@@ -113,7 +127,8 @@ class PageRead:
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
                     scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window, sinks=sinks,
                     after=pool.write_order(layer))
-        k_parts, v_parts = parts if parts is not None else self.parts(layer, exact)
+        views = self.borrowed(layer, exact) if borrow else None
+        k_parts, v_parts = views or parts or self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind, sinks)
 
     def kernel_ranges(self) -> list:

@@ -14,7 +14,7 @@ vLLM), so one page table serves all layers of a sequence. Gathering n pages is o
 which reshapes to [1, kv_heads, n * page_size, D] with no transpose.
 
 Ownership: the pool owns its arrays for its whole life and never hands them out; reads
-return new (lazy) arrays. Writes are in place: MLX reuses ("donates") an array's buffer
+return new (lazy) arrays, except ``borrow_run``'s views for a layer's own step. Writes are in place: MLX reuses ("donates") an array's buffer
 for ``a[idx] = v`` only when nothing else references the old array; a second Python
 reference or a still-pending lazy read of it turns every token write into a copy of the
 whole layer. Therefore (1) the arrays are private; (2) views hold the *pool*, never an
@@ -135,6 +135,7 @@ class PagePool:
         elif write_kernel and not page_write.available():
             raise InvalidValueError("write_kernel=True needs MLX on a CUDA GPU (the default device)")
         self.write_kernel = write_kernel
+        self._in_groups = False  # several attention layers write each layer array (written_in_groups)
         per_page = self.bytes_per_page
         if (num_pages is None) == (max_bytes is None):
             raise InvalidValueError("give exactly one of num_pages and max_bytes")
@@ -298,6 +299,7 @@ class PagePool:
         and on a CUDA GPU MLX's scatter copies an array a kernel still in flight reads
         (bench/RESULTS.md: peak +144 MiB on a 2-layer gemma3 pool at 16k), so a pool made
         with ``write_kernel=None`` turns the in-place write kernel on there. O(1)."""
+        self._in_groups = True  # (no borrowed views: borrow_run)
         if self._write_kernel_auto and page_write.available():
             self.write_kernel = True
 
@@ -337,6 +339,32 @@ class PagePool:
             return tuple(out)
 
         return read(self._k[layer]), read(self._v[layer])
+
+    def borrow_run(self, layer: int, first_page: int, start: int, stop: int) -> tuple[Parts, Parts] | None:
+        """Tokens [start, stop) of the pages ``first_page, first_page + 1, ...`` (one row
+        whose pages are one run of ids), as *views* of the layer's arrays, [1, kv_heads,
+        stop - start, c] per component: a slice, no gather, so no copy of the context.
+
+        Head-major layout makes this possible: head h's pages p.. p+n are the rows
+        h * P + p.. of the array, so [kv_heads, P * page_size, c] is the array itself.
+
+        The views share the arrays' buffers, which is why they are only for a reader that
+        is done with them before the layer's next write: a write while a view is still
+        referenced cannot reuse the buffer and copies the layer array (the values stay
+        right; the cost is O(pool layer)). O(1). None where a view would make a write of
+        the same forward copy: a pool written in layer groups (one forward writes each
+        array several times), or by the in-place write kernel (a slice would not wait
+        for it: ``write_order``)."""
+        if self._in_groups or self.write_kernel:
+            return None
+        lo = first_page * self.page_size + start
+        hi = lo + (stop - start)
+        width = self.num_pages * self.page_size
+
+        def view(arrays: list[mx.array]) -> Parts:
+            return tuple(arr.reshape(1, self.num_kv_heads, width, arr.shape[-1])[:, :, lo:hi] for arr in arrays)
+
+        return view(self._k[layer]), view(self._v[layer])
 
     def layer_arrays(self, layer: int) -> tuple[mx.array, mx.array]:
         """The current K and V arrays of a full-precision layer, for a kernel that reads

@@ -730,7 +730,8 @@ class RowSet:
         [n_heads] attention-sink logits, or None."""
         spec, pool_layer = self.layout.layers[layer]
         return self.visible_read(layer).attend(pool_layer, queries, scale, mask, exact=exact, kernel=mask_is_ours,
-                                               parts=parts, window=self.layout.specs[spec].window, sinks=sinks)
+                                               parts=parts, window=self.layout.specs[spec].window, sinks=sinks,
+                                               borrow=True)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:

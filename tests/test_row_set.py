@@ -10,7 +10,7 @@ import tiny_models
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import PAGE_KINDS, greedy, make_model, make_pool, prompt_of
 
-from pagedkv import KvShapeError, PagedBatch, make_paged_cache
+from pagedkv import KvShapeError, PagedBatch, PagePool, make_paged_cache
 from pagedkv.kernels import paged_decode
 from pagedkv.page_read import PageRead
 from pagedkv.visibility import key_mask, window_start
@@ -143,6 +143,52 @@ def test_attention_after_a_trim_and_rewrite_at_the_same_position_reads_the_new_k
         assert np.array_equal(np.array(new_k[:, :, -1:]), np.array(k))
         stale = mx.fast.scaled_dot_product_attention(q, *held, scale=0.125)
         assert not np.allclose(np.array(got), np.array(stale), atol=1e-3)
+
+
+@pytest.mark.parametrize("order", ["in order", "interleaved"])
+def test_one_sequence_whose_pages_are_one_run_is_attended_from_a_slice_of_the_pool(monkeypatch, order):
+    """A sequence that took consecutive page ids is attended from views of the pool's
+    arrays (no gather), one whose pages are not is gathered; both decode as mlx-lm."""
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4)
+    lent = []
+    real = pool.borrow_run
+    monkeypatch.setattr(pool, "borrow_run", lambda *a: (lent.append(a[1]), real(*a))[1])
+    prompt = prompt_of(9)
+    want, want_logits = greedy(model, prompt, make_prompt_cache(model), 8)
+    other = make_paged_cache(model, pool)
+    with make_paged_cache(model, pool) as cache:
+        if order == "interleaved":  # another sequence takes a page between each of ours
+            got, got_logits = [], []
+            for i, t in enumerate(prompt):
+                logits = model(mx.array([[t]]), cache=cache)[0, -1]
+                if i % 4 == 0:
+                    model(mx.array([[t]]), cache=other)
+            lent.clear()  # (its first page alone was one run)
+            for _ in range(8):
+                got_logits.append(logits)
+                got.append(int(mx.argmax(logits).item()))
+                logits = model(mx.array([[got[-1]]]), cache=cache)[0, -1]
+            pages = cache[0].rows.tables(0)[0].pages
+            assert (np.diff(pages) != 1).any() and lent == []
+        else:
+            got, got_logits = greedy(model, prompt, cache, 8)
+            assert lent and set(lent) == {int(cache[0].rows.tables(0)[0].pages[0])}
+        assert got == want
+        for a, b in zip(got_logits, want_logits):
+            assert np.allclose(np.array(a), np.array(b), atol=tiny_models.LOGITS_ATOL)
+    other.release()
+
+
+def test_a_pool_written_in_layer_groups_lends_no_views():
+    model = make_model("gemma3_text")
+    from pagedkv import kv_pool_layers
+    pool = PagePool(num_layers=kv_pool_layers(model), num_kv_heads=2, head_dim=16, page_size=4, num_pages=64,
+                    dtype=mx.float32)
+    with make_paged_cache(model, pool):
+        assert pool.borrow_run(0, 1, 0, 4) is None
+    solo = make_pool("llama", page_size=4)
+    assert solo.borrow_run(0, 1, 0, 4) is not None
 
 
 def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size, sinks=None, after=None):
