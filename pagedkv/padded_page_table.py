@@ -19,8 +19,9 @@ made once and handed out again until a call changes the table (a decode step's r
 changes it once every ``page_size`` steps per row), together with a list its readers
 share to keep what they derive from it (``PageRead``'s gather index). For one row,
 ``run`` says whether its pages are consecutive ids (then a reader may take them as one
-slice of the pool's arrays: ``PagePool.borrow_run``). No page references are held. Costs per call: O(B) comparisons, plus O(width) per changed row;
-O(B * width) after a change of shape.
+slice of the pool's arrays: ``PagePool.borrow_run``). No page references are held.
+Costs per call: O(B) comparisons, plus O(width) per changed row; O(B * width) after a
+change of shape.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class PaddedPageTable:
                 n = ids.size
                 host[i, :n] = ids
                 host[i, n:] = self.null
-            self.run = -1
+            self.run = -1  # (with one row, ``ids`` and ``n`` are that row's)
             if b == 1 and n and int(ids[-1]) - int(ids[0]) == n - 1 and (ids == ids[0] + np.arange(n)).all():
                 self.run = int(ids[0])
         self._tables = list(tables)

@@ -17,7 +17,8 @@ straight from the pool where it applies, else the gathered parts through
 Ownership: a PageRead holds page ids, not references; its owner keeps the pages alive
 (a row set's tables, a view's references). Costs: building O(B) plus O(width) per row
 that changed since the owner's last read (``PaddedPageTable``), and one copy of the
-[B, width] table to MLX where it changed; ``parts`` one gather of O(B · width) pages; ``mask`` one
+[B, width] table to MLX where it changed; ``parts`` one gather of O(B · width) pages
+(``borrowed``: a slice, for one row whose pages are one run of ids); ``mask`` one
 broadcast.
 """
 

@@ -14,10 +14,11 @@ vLLM), so one page table serves all layers of a sequence. Gathering n pages is o
 which reshapes to [1, kv_heads, n * page_size, D] with no transpose.
 
 Ownership: the pool owns its arrays for its whole life and never hands them out; reads
-return new (lazy) arrays, except ``borrow_run``'s views for a layer's own step. Writes are in place: MLX reuses ("donates") an array's buffer
-for ``a[idx] = v`` only when nothing else references the old array; a second Python
-reference or a still-pending lazy read of it turns every token write into a copy of the
-whole layer. Therefore (1) the arrays are private; (2) views hold the *pool*, never an
+return new (lazy) arrays, except ``borrow_run``'s views for a layer's own step. Writes
+are in place: MLX reuses ("donates") an array's buffer for ``a[idx] = v`` only when
+nothing else references the old array; a second Python reference or a still-pending
+lazy read of it turns every token write into a copy of the whole layer. Therefore (1)
+the arrays are private; (2) views (``KvAttentionView``) hold the *pool*, never an
 array, and read the current array when they attend; (3) before writing a layer, the pool
 evaluates reads of that layer that are still alive (tracked by weak reference), so a
 caller holding an unevaluated read cannot silently make the write O(pool); (4) on a CUDA

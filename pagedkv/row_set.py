@@ -502,12 +502,12 @@ class RowSet:
     def check_kv(self, layer: int, keys: mx.array, values: mx.array) -> int:
         """Raise a typed error unless ``keys``/``values`` fit a write of ``layer`` (one
         [kv_heads, T, D] block per row); returns T. Changes nothing."""
-        b = self.offsets.shape[1]
+        b = self.num_rows
         if b == 0:
             raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
         if b == 1 and getattr(keys, "ndim", 0) == 4 and keys.shape[0] != 1:
             raise NotSupportedError(f"a one-sequence cache takes batch 1, got {keys.shape[0]} (use PagedBatch)")
-        return self.layout.specs[self.layout.layers[layer][0]].pool.check_kv(keys, values, rows=b)
+        return self.pool_of(layer).check_kv(keys, values, rows=b)
 
     def _continues_step(self, start: np.ndarray, count: int) -> bool:
         """A write of ``count`` tokens per row at ``start`` belongs to the open step."""
