@@ -72,12 +72,10 @@ def model_of(config: dict, dtype: mx.Dtype = mx.float32):
 
 def paged_cache(model, config: dict, tokens: int, dtype: mx.Dtype = mx.float32):
     """A pool for one sequence of ``tokens`` tokens prefilled in chunks of up to 2048
-    (mlx-lm's ``generate_step``), in layer groups where the model has sliding layers. A
-    sliding table holds the previous chunk until a step's drops commit, so the pool is
-    sized for two chunks (``kv_pages_for`` counts one: bench/RESULTS.md)."""
+    (mlx-lm's ``generate_step``), in layer groups where the model has sliding layers."""
     layers = kv_pool_layers(model)
     pool = PagePool(num_layers=layers, num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-                    page_size=PAGE, num_pages=kv_pages_for(model, tokens, PAGE, layers, chunk=4096) + 4, dtype=dtype)
+                    page_size=PAGE, num_pages=kv_pages_for(model, tokens, PAGE, layers, chunk=2048), dtype=dtype)
     return make_paged_cache(model, pool)
 
 

@@ -332,6 +332,32 @@ def test_kv_pages_for_holds_a_sequence_of_that_many_tokens(family):
             assert nbytes[probe.num_layers] < nbytes[all_layers]
 
 
+@pytest.mark.parametrize("family", ["olmo3", "exaone4"])  # 3 sliding layers per full one
+@pytest.mark.parametrize("chunk,rewind", [(16, 0), (5, 0), (16, 5)])
+def test_kv_pages_for_holds_a_prompt_prefilled_in_chunks_longer_than_the_window(family, chunk, rewind):
+    """A sliding table keeps the pages behind the start of its last forward until the
+    next forward opens, and that forward allocates first: a pool of
+    ``kv_pages_for(..., chunk=c, rewind=r)`` pages takes a prompt prefilled in several
+    chunks of c (beyond the window of 12), then decode steps, and its peak stays within
+    the count."""
+    from pagedkv.cache import kv_pages_for
+    from pagedkv.generation import prefill
+
+    model = family_model(family, FAMILIES[family])
+    probe, _ = pools_for_model(model, max_bytes=1 << 20, page_size=4)
+    need = kv_pages_for(model, 60, 4, chunk=chunk, rewind=rewind)
+    pool = PagePool(num_layers=probe.num_layers, num_kv_heads=probe.num_kv_heads, head_dim=probe.head_dim,
+                    page_size=4, num_pages=need, dtype=probe.dtype)
+    with make_paged_cache(model, pool, rewind=rewind) as cache:
+        prefill(model, cache, prompt_of(56), chunk)
+        for token in (1, 2, 3, 4):
+            mx.eval(model(mx.array([[token]]), cache=cache))
+        assert cache[0].offset == 60
+        pool.allocator.check()
+    assert pool.allocator.stats().peak_in_use + 1 <= need  # (+ the null page)
+    assert pool.allocator.num_in_use() == 0
+
+
 def test_a_model_without_attention_layers_is_refused_by_make_paged_cache():
     model = hybrid_model("mamba2", MAMBA2)
     pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=16, page_size=4, num_pages=8, dtype=mx.float32)
