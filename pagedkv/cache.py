@@ -60,7 +60,10 @@ class LayerFace:
         self.layer = layer
         self.pool_layer = rows.layout.layers[layer][1]
         self.pool = rows.pool_of(layer)
-        self._fetched = None  # weak references to this step's gathered parts (see attend)
+        self._fetched = None  # (read, weak references to what update_and_fetch returned, lent)
+        self._last_fetch = None  # (those references, lent, attended): checked at the next fetch
+        self._lends = False  # update_and_fetch may return views of the pool (see there)
+        self._lent_and_held = False  # a caller kept lent views: copies from then on
         kind = self.pool.kind
         if kind.mlx_quantized:  # mlx-lm dispatches on hasattr(cache, "bits")
             self.bits = kind.k_codec.bits
@@ -72,11 +75,31 @@ class LayerFace:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Append [B, kv_heads, T, D] keys/values; return the keys/values this step's
-        queries may see (float K/V, or packed triples on ``bits`` caches)."""
+        queries may see (float K/V, or packed triples on ``bits`` caches).
+
+        What it returns is a copy gathered from the pages, with one exception. Once the
+        layer's last fetch went to ``attend`` and its arrays were dropped before this
+        call (a model whose attention is routed, in mlx-lm's own step), a sequence whose
+        pages are one run of ids gets views of the pool's arrays instead
+        (``PageRead.borrowed``). The routed attention never computes them, so the step
+        builds no gather for nothing. A view still held at the layer's next write makes
+        that write copy the layer's array (the values stay right), so a layer whose
+        caller kept one returns copies from then on. O(1) more than the write."""
+        last = self._last_fetch
+        if last is not None:  # the previous fetch: went to attend, and dropped?
+            held = any(r() is not None for r in last[0])
+            if held and last[1]:
+                self._lent_and_held = True
+            self._lends = last[2] and not held and not self._lent_and_held
         self.rows.write(self.layer, keys, values)
         read = self.rows.visible_read(self.layer)
-        parts = read.parts(self.pool_layer, self.exact)
-        self._fetched = (read, [[weakref.ref(x) for x in p] for p in parts])
+        parts = read.borrowed(self.pool_layer, self.exact) if self._lends else None
+        lent = parts is not None
+        if not lent:
+            parts = read.parts(self.pool_layer, self.exact)
+        refs = [[weakref.ref(x) for x in p] for p in parts]
+        self._fetched = (read, refs, lent)
+        self._last_fetch = ([r for p in refs for r in p], lent, False)
         return self.pool.kind.model_inputs(*parts)
 
     def storage(self) -> list[mx.array]:
@@ -99,12 +122,14 @@ class LayerFace:
         # would keep a copy of the K/V alive and be evaluated at the next write). The
         # row set hands out one read per position of a layer until its rows change, so
         # the same read object means the same keys.
-        fetched, self._fetched, parts = self._fetched, None, None
+        fetched, self._fetched, parts, lent = self._fetched, None, None, False
         if fetched is not None and fetched[0] is self.rows.visible_read(self.layer):
+            self._last_fetch = (self._last_fetch[0], fetched[2], True)
             parts = tuple(tuple(r() for r in p) for p in fetched[1])
             parts = None if any(x is None for p in parts for x in p) else parts
+            lent = parts is not None and fetched[2]
         return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask),
-                                self.exact, parts, sinks)
+                                self.exact, parts, sinks, borrow=not lent)
 
     def fetch_shared(self, kind: str = "view") -> SharedKv:
         """This step's K/V as a SharedKv (call after the step's write; caller releases

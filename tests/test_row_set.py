@@ -105,7 +105,11 @@ def test_key_mask_matches_the_definition_of_visibility(window):
                 assert got[r, 0, i, c] == want
 
 
-def test_a_routed_step_gathers_each_layer_once_and_keeps_no_copy(monkeypatch):
+def test_a_routed_step_builds_no_gather_once_its_layers_fetches_go_to_attention(monkeypatch):
+    """A sequence whose pages are one run: its first routed step gathers each layer once
+    (the gather attention reads), later ones lend views of the pool (no gather at all).
+    A model that never calls ``attend`` gets gathered copies, and the layers keep only
+    weak references to them."""
     model = make_model("llama")  # 3 layers
     pool = make_pool("llama", page_size=8)
     gathers = []
@@ -113,13 +117,53 @@ def test_a_routed_step_gathers_each_layer_once_and_keeps_no_copy(monkeypatch):
     monkeypatch.setattr(pool, "gather", lambda *a, **k: (gathers.append(a[0]), real(*a, **k))[1])
     with make_paged_cache(model, pool) as cache:
         model(mx.array([prompt_of(20)]), cache=cache)
-        gathers.clear()
-        mx.eval(model(mx.array([[3]]), cache=cache))
         assert sorted(gathers) == [0, 1, 2]  # update_and_fetch's gather is the one attention reads
+        gathers.clear()
+        for t in (3, 4):
+            mx.eval(model(mx.array([[t]]), cache=cache))
+        assert gathers == [] and all(c._fetched is None and c._last_fetch[1] for c in cache)
         from pagedkv.cache import LayerFace
         monkeypatch.setattr(LayerFace, "reads_pages", False)  # a model that never calls attend
-        mx.eval(model(mx.array([[4]]), cache=cache))
+        for t in (5, 6):
+            mx.eval(model(mx.array([[t]]), cache=cache))
+        assert sorted(gathers) == [0, 1, 2]  # the first such step still lends; then copies
         assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
+
+
+def test_a_caller_that_keeps_lent_views_gets_copies_from_then_on_and_right_values():
+    """Once a layer lends views (its fetches went to attention), a caller that keeps
+    what ``update_and_fetch`` returned past the next write makes that one write copy
+    the layer's array. The layer then returns gathered copies for good, even when the
+    caller drops some of them (so no later write copies the array again), and every
+    array kept holds the keys it was fetched with."""
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=8, num_pages=2048)
+    with make_paged_cache(model, pool) as cache:
+        model(mx.array([prompt_of(20)]), cache=cache)
+        mx.eval(model(mx.array([[3]]), cache=cache))
+        layer = cache[0]
+        rng = np.random.default_rng(0)
+        kv = lambda: [mx.array(rng.standard_normal((1, 2, 1, 64)).astype(np.float32)) for _ in range(2)]
+        q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32))
+        written, kept = [], []
+        for i in range(6):  # a routed model that keeps every other step's K/V
+            written.append(kv())
+            fetched = layer.update_and_fetch(*written[-1])
+            mx.eval(layer.attend(q, 0.125, None), fetched)
+            if i == 0:
+                assert layer._fetched is None and layer._last_fetch[1]  # lent
+            if i % 2 == 0:
+                kept.append((i, fetched))
+            del fetched
+            if i == 1:
+                mx.reset_peak_memory()
+                base = mx.get_active_memory()
+        assert mx.get_peak_memory() - base < pool.nbytes / 8  # copies, not the pool's arrays again
+        assert layer._lent_and_held and not layer._last_fetch[1]
+        for i, (got_k, got_v) in kept:
+            k, v = written[i]
+            assert np.array_equal(np.array(got_k[:, :, -1:]), np.array(k))
+            assert np.array_equal(np.array(got_v[:, :, -1:]), np.array(v))
 
 
 def test_attention_after_a_trim_and_rewrite_at_the_same_position_reads_the_new_keys():
