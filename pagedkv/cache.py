@@ -123,13 +123,14 @@ class LayerFace:
         # row set hands out one read per position of a layer until its rows change, so
         # the same read object means the same keys.
         fetched, self._fetched, parts, lent = self._fetched, None, None, False
-        if fetched is not None and fetched[0] is self.rows.visible_read(self.layer):
+        read = self.rows.visible_read(self.layer)
+        if fetched is not None and fetched[0] is read:
             self._last_fetch = (self._last_fetch[0], fetched[2], True)
             parts = tuple(tuple(r() for r in p) for p in fetched[1])
             parts = None if any(x is None for p in parts for x in p) else parts
             lent = parts is not None and fetched[2]
         return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask),
-                                self.exact, parts, sinks, borrow=not lent)
+                                self.exact, parts, sinks, borrow=not lent, read=read)
 
     def fetch_shared(self, kind: str = "view") -> SharedKv:
         """This step's K/V as a SharedKv (call after the step's write; caller releases

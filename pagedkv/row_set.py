@@ -723,14 +723,16 @@ class RowSet:
         return mask is None or mask is self._masks.get(self.layout.layers[layer][0])
 
     def attend(self, layer: int, queries: mx.array, scale: float, mask, mask_is_ours: bool,
-               exact: bool = True, parts=None, sinks: mx.array | None = None, borrow: bool = True) -> mx.array:
+               exact: bool = True, parts=None, sinks: mx.array | None = None, borrow: bool = True,
+               read: PageRead | None = None) -> mx.array:
         """Attention of this step's queries over the layer's visible keys, read from the
         pages (``PageRead.attend``); ``mask_is_ours``: ``mask`` is None or what ``mask``
         made for this step; ``parts``: what ``read`` already gathered (or lent) for it;
         ``sinks``: [n_heads] attention-sink logits, or None; ``borrow``: read views of
-        the pool rather than ``parts`` where it can (False: ``parts`` are such views)."""
+        the pool rather than ``parts`` where it can (False: ``parts`` are such views);
+        ``read``: ``visible_read(layer)``, if the caller has it."""
         spec, pool_layer = self.layout.layers[layer]
-        return self.visible_read(layer).attend(pool_layer, queries, scale, mask, exact=exact, kernel=mask_is_ours,
+        return (read or self.visible_read(layer)).attend(pool_layer, queries, scale, mask, exact=exact, kernel=mask_is_ours,
                                                parts=parts, window=self.layout.specs[spec].window, sinks=sinks,
                                                borrow=borrow)
 
