@@ -111,3 +111,27 @@ def test_generate_step_runs_on_a_paged_cache(models):
                                            prompt_cache=cache)]
     assert got == ref
     assert_all_pages_back(pool)
+
+
+@pytest.mark.parametrize("draft_seed", [0, 3])  # the model itself (drafts accepted); another (rejected)
+def test_mlx_lms_speculative_decoding_on_paged_caches_gives_its_tokens_on_its_own_caches(models, draft_seed):
+    """mlx-lm's ``speculative_generate_step`` writes the drafts and trims the rejected
+    ones (``trim_prompt_cache``) on both models' caches, step after step: on paged caches
+    it gives the tokens and acceptances it gives on mlx-lm's, and every page comes back."""
+    from mlx_lm.generate import speculative_generate_step
+
+    model, draft = models["llama"], make_model("llama", seed=draft_seed)
+    prompt = mx.array(prompt_of(30))
+    greedy_sampler = lambda lp: mx.argmax(lp, axis=-1)  # noqa: E731
+
+    def run(caches):
+        return [(int(t), accepted) for t, _, accepted in speculative_generate_step(
+            prompt, model, draft, num_draft_tokens=3, max_tokens=40, sampler=greedy_sampler, prompt_cache=caches)]
+
+    ref = run(make_prompt_cache(model) + make_prompt_cache(draft))
+    pools = [make_pool("llama", page_size=4), make_pool("llama", page_size=4)]
+    with make_paged_cache(model, pools[0]) as main, make_paged_cache(draft, pools[1]) as drafts:
+        assert run(list(main) + list(drafts)) == ref
+    assert any(a for _, a in ref) == (draft_seed == 0)
+    for pool in pools:
+        assert_all_pages_back(pool)
