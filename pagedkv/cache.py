@@ -44,7 +44,7 @@ from pagedkv.pool import PagePool
 from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 from pagedkv.shared import SharedKv
 from pagedkv.state_pool import StatePool
-from pagedkv.table import PageTable
+from pagedkv.table import PageTable, peak_pages
 from pagedkv.visibility import attention_mask, window_start
 
 
@@ -497,25 +497,18 @@ def kv_pages_for(model, tokens: int, page_size: int, pool_layers: int | None = N
     """Pages a pool of ``pool_layers`` layers (default ``kv_pool_layers(model)``) needs
     for one sequence of ``tokens`` tokens written at most ``chunk`` per forward (a
     prefill chunk), the null page included; ``rewind`` as ``make_paged_cache``'s. Each
-    table spec of ``layout_for``'s layout holds the sequence's pages. A sliding-window
-    table holds, at its peak, its window (plus ``rewind``) behind the start of the last
-    forward, that forward's chunk, and the next forward's chunk: a forward allocates its
-    pages before the ones that left the window go (they go when it opens, not when the
-    one before it ends, so that a trim back to a forward's start still finds its window:
-    ``PageTable``). Exact for a model without sliding windows; O(layers)."""
+    table spec of ``layout_for``'s layout holds the sequence's pages, a sliding-window
+    one at most its window's and two chunks' (``peak_pages``). Exact for a model without
+    sliding windows; O(layers)."""
     tokens = check_int("tokens", tokens, minimum=1)
     page_size = check_int("page_size", page_size, minimum=1)
     chunk = check_int("chunk", chunk, minimum=1)
     rewind = check_int("rewind", rewind, minimum=0)
     layers = kv_pool_layers(model) if pool_layers is None else check_int("pool_layers", pool_layers, minimum=1)
     counts = _attention_kinds(model, None)
-    full = -(-tokens // page_size)
     grouped = sum(counts.values()) > layers  # (else a pool layer per layer: one table per kind)
-    total = 1
-    for w, n in counts.items():
-        per_table = full if w is None else min(full, -(-(w + rewind + 2 * chunk) // page_size) + 1)
-        total += (-(-n // layers) if grouped else 1) * per_table
-    return total
+    return 1 + sum((-(-n // layers) if grouped else 1) * peak_pages(tokens, page_size, w, rewind, chunk)
+                   for w, n in counts.items())
 
 
 def kv_pool_layers(model, max_kv_size: int | None = None) -> int:

@@ -74,7 +74,7 @@ from pagedkv.pool import PagePool
 from pagedkv.row_states import RowStates
 from pagedkv.shared import PlainKv, QuantKv, SharedKv, ViewKv
 from pagedkv.state_pool import StatePool
-from pagedkv.table import BatchAppend, PageTable, check_dropped
+from pagedkv.table import BatchAppend, PageTable, check_dropped, peak_pages
 from pagedkv.view import KvAttentionView
 from pagedkv.visibility import range_mask, window_start
 
@@ -148,6 +148,12 @@ class LayerLayout:
         """The window size of each sliding-window table spec, ascending (a size is listed
         once per group of layers with that window)."""
         return tuple(sorted(spec.window for spec in self.specs if spec.window is not None))
+
+    def pages_for(self, tokens: int, chunk: int = 1) -> int:
+        """Pages one sequence of ``tokens`` tokens, written at most ``chunk`` per
+        forward, holds at most, over every table spec (``peak_pages``; the specs' peaks
+        added up, so an upper bound). O(specs)."""
+        return sum(peak_pages(tokens, spec.pool.page_size, spec.window, spec.rewind, chunk) for spec in self.specs)
 
     def slot_kinds(self) -> list[tuple[str, int]]:
         """Per cache slot, in order: ("kv", attention layer) or ("state", recurrent layer)."""

@@ -79,6 +79,19 @@ def _check_supply(alloc, need: np.ndarray, supply) -> np.ndarray:
     return supplied
 
 
+def peak_pages(tokens: int, page_size: int, window: int | None = None, rewind: int = 0, chunk: int = 1) -> int:
+    """The most pages one table holds for a sequence of ``tokens`` tokens written at
+    most ``chunk`` per forward. Without a window: every page. With one: the window (plus
+    ``rewind``) behind the last forward's start, that forward's chunk and the next one's,
+    which is allocated before the pages that left the window go (they go when a forward
+    opens, so that a trim back to a forward's start still finds its window); ``chunk``
+    0 counts a table between forwards, as admission estimates do. O(1)."""
+    full = -(-tokens // page_size)
+    if window is None:
+        return full
+    return min(full, -(-(window + rewind + 2 * chunk) // page_size) + 1)
+
+
 def check_dropped(num_tokens: int, window: int | None, dropped: int, page_size: int) -> None:
     """``InvalidValueError`` unless a table of ``window`` holding ``num_tokens`` tokens
     may list its first ``dropped`` pages as dropped: a query at the end sees no key in

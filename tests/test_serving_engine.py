@@ -241,6 +241,50 @@ def test_request_too_large_names_the_pool_or_the_context(model):
     engine.limits.check(20, 16)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_a_sliding_window_model_admits_only_what_its_tables_hold_and_each_admitted_request_finishes_alone(
+        prefix_caching):
+    """gemma3_text (window 12) on 24 pages of 4 (23 usable), prefilled 8 tokens per
+    forward: a sequence holds its full-attention pages plus its sliding table's at their
+    peak (the window, and two chunks: ``peak_pages``), so the pool holds 60 tokens, not
+    the 92 that 23 pages hold in one table. A request of 60 finishes alone however its
+    tokens split between prompt and max_tokens; one of 61 is refused up front. (The
+    one-table limit admitted 88 tokens, and the engine then looped forever: the prefill
+    ran out, went back to the queue and started again.)"""
+    from pagedkv import kv_pages_for
+
+    model = make_model("gemma3_text")
+    L, H, D = kv_dims("gemma3_text")
+    pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=4, num_pages=24, dtype=mx.float32)
+    engine, sink = Engine(model, pool, decode=letters, prefill_chunk=8, prefix_caching=prefix_caching), Sink()
+    assert engine.limits.max_pool_tokens == 60
+    assert kv_pages_for(model, 60, 4, L, chunk=8) <= 24 < kv_pages_for(model, 61, 4, L, chunk=8)
+    for prompt, n in ((50, 10), (59, 1), (9, 51)):
+        rid = f"{prompt}+{n}"
+        engine.add(GenerationRequest(rid, prompt_of_len(prompt), SamplingParams(max_tokens=n), sink))
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+            assert steps < 200, "the request never finished"
+        assert sink.ids(rid) == solo(model, prompt_of_len(prompt), n)
+    with pytest.raises(RequestTooLarge, match="whole KV pool holds .60."):
+        engine.add(GenerationRequest("61", prompt_of_len(51), SamplingParams(max_tokens=10), sink))
+    engine.close()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("arg", ["prefill_chunk", "prefill_budget"])
+def test_a_prefill_chunk_or_budget_below_one_token_is_refused(model, arg):
+    with pytest.raises(InvalidValueError, match=arg):
+        make_engine(model, **{arg: 0})
+
+
+def prompt_of_len(n: int) -> list[int]:
+    return [(7 * i) % (VOCAB - 1) + 1 for i in range(n)]
+
+
 def test_abort_of_a_running_or_waiting_request_frees_its_pages_by_the_next_step(model):
     engine, sink = make_engine(model, max_batch=1), Sink()
     engine.add(GenerationRequest("run", list(range(20)), SamplingParams(max_tokens=30), sink))

@@ -65,7 +65,13 @@ from pagedkv.batch import PagedBatch
 from pagedkv.cache import PagedPromptCache, layout_for, make_paged_cache
 from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.disk_tier import DiskTier
-from pagedkv.errors import InvalidTypeError, InvalidValueError, NotSupportedError, PoolExhausted
+from pagedkv.errors import (
+    InvalidTypeError,
+    InvalidValueError,
+    NotSupportedError,
+    PoolExhausted,
+    check_int,
+)
 from pagedkv.generation import prefill
 from pagedkv.kernels import paged_decode
 from pagedkv.model_config import text_config
@@ -77,6 +83,7 @@ from pagedkv.serving.metrics import ServingMetrics
 from pagedkv.serving.sampling import SamplingParams, sample_rows
 from pagedkv.serving.text_stream import TextStream
 from pagedkv.state_pool import StatePool
+from pagedkv.table import peak_pages
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -216,6 +223,8 @@ class Engine:
         module doc); False reads every step's tokens before the next step is built."""
         self.model = model
         self.pool = pool
+        prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1)
+        prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
         if state_pool is not None and (not isinstance(state_pool, StatePool) or state_pool.usable_slots < 2):
             raise InvalidValueError("state_pool must be a StatePool with at least 2 usable slots (a running "
                                     "request and the one it moves to off a checkpoint)")
@@ -244,7 +253,7 @@ class Engine:
                                   windows=self._layout.windows) if prefix_caching else None
         self.decode = decode
         self.eos = frozenset(eos_token_ids)
-        self.limits = EngineLimits(ctx, (pool.usable_pages) * pool.page_size, vocab)
+        self.limits = EngineLimits(ctx, self._pool_tokens(min(prefill_chunk, prefill_budget)), vocab)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget
@@ -391,10 +400,25 @@ class Engine:
             budget = self._advance(self._start(req), budget)
 
     def _window_pages(self, tokens: int) -> int:
-        """Pages the sliding-window tables of a ``tokens``-token sequence hold at most."""
-        ps = self.pool.page_size
-        return sum(min(-(-tokens // ps), -(-(spec.window + spec.rewind) // ps) + 1)
+        """Pages the sliding-window tables of a ``tokens``-token sequence hold between
+        forwards (an admission estimate: a prefill that runs out stops, and resumes)."""
+        return sum(peak_pages(tokens, self.pool.page_size, spec.window, spec.rewind, chunk=0)
                    for spec in self._layout.specs if spec.window is not None)
+
+    def _pool_tokens(self, chunk: int) -> int:
+        """The longest sequence (prompt + max_tokens) whose tables, written at most
+        ``chunk`` tokens per forward, fit the whole pool at their peak
+        (``LayerLayout.pages_for``): one table of full pages per full-attention spec,
+        plus each sliding-window table's. A request longer than that could never
+        finish even alone. O(specs · log pool tokens)."""
+        lo, hi = 0, self.pool.usable_pages * self.pool.page_size  # (pages_for grows with tokens)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._layout.pages_for(mid, chunk) <= self.pool.usable_pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _start(self, req: GenerationRequest) -> _Prefill:
         """A cache for ``req`` holding its longest cached prefix; the rest is to prefill."""
