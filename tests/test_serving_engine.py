@@ -275,6 +275,26 @@ def test_a_sliding_window_model_admits_only_what_its_tables_hold_and_each_admitt
     assert pool.allocator.num_in_use() == 0
 
 
+def test_a_pool_with_fewer_layers_than_the_model_counts_every_layer_groups_pages(model):
+    """The 3-layer llama on a pool of 1 layer: three full-attention groups, each a table
+    of the sequence's pages. The limit is what 39 usable pages hold three times over (52
+    tokens), and admission counts all three tables, so requests still run as they do
+    alone and every page comes back (prefix caching needs one full-attention table)."""
+    _, H, D = kv_dims("llama")
+    pool = PagePool(num_layers=1, num_kv_heads=H, head_dim=D, page_size=4, num_pages=40, dtype=mx.float32)
+    engine, sink = Engine(model, pool, decode=letters, max_batch=4, prefix_caching=False), Sink()
+    assert engine.limits.max_pool_tokens == 52 and len(engine._layout.specs) == 3
+    assert engine._extra_pages(20) == 10  # the second and third tables' 5 pages each
+    prompts = {f"r{i}": prompt_of_len(12 + 3 * i) for i in range(4)}
+    for rid, prompt in prompts.items():
+        engine.add(GenerationRequest(rid, prompt, SamplingParams(max_tokens=8), sink))
+    run(engine)
+    for rid, prompt in prompts.items():
+        assert sink.ids(rid) == solo(model, prompt, 8)
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
 @pytest.mark.parametrize("arg", ["prefill_chunk", "prefill_budget"])
 def test_a_prefill_chunk_or_budget_below_one_token_is_refused(model, arg):
     with pytest.raises(InvalidValueError, match=arg):

@@ -389,7 +389,7 @@ class Engine:
                 refcount, ahead_tokens = self.pool.allocator.refcount, min(req.params.max_tokens - len(req.generated), 16)
                 fit = functools.partial(can_admit, self.pool, n, ahead_tokens, cached_tokens=len(hit) * ps,
                                         revived=sum(1 for page in hit if refcount(page) == 0),
-                                        extra_pages=self._window_pages(n + ahead_tokens),
+                                        extra_pages=self._extra_pages(n + ahead_tokens),
                                         watermark=self.watermark, state_pool=self.state_pool)
                 ahead = self._compiled.lookahead_pages if self._compiled is not None else 0
                 if not fit(releasable=ahead):
@@ -399,11 +399,15 @@ class Engine:
             self.waiting.popleft()
             budget = self._advance(self._start(req), budget)
 
-    def _window_pages(self, tokens: int) -> int:
-        """Pages the sliding-window tables of a ``tokens``-token sequence hold between
-        forwards (an admission estimate: a prefill that runs out stops, and resumes)."""
-        return sum(peak_pages(tokens, self.pool.page_size, spec.window, spec.rewind, chunk=0)
-                   for spec in self._layout.specs if spec.window is not None)
+    def _extra_pages(self, tokens: int) -> int:
+        """Pages a ``tokens``-token sequence holds between forwards beyond the one
+        full-attention table ``can_admit`` counts: its other tables' (sliding windows at
+        their window, more full-attention groups in full). An admission estimate: a
+        prefill that runs out stops, and resumes."""
+        pages = [peak_pages(tokens, self.pool.page_size, spec.window, spec.rewind, chunk=0)
+                 for spec in self._layout.specs]
+        full = [n for n, spec in zip(pages, self._layout.specs) if spec.window is None]
+        return sum(pages) - (full[0] if full else 0)
 
     def _pool_tokens(self, chunk: int) -> int:
         """The longest sequence (prompt + max_tokens) whose tables, written at most
