@@ -602,3 +602,52 @@ def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_wi
     for rid, prompt, n in reqs:
         assert sink.ids(rid) == solo(model, prompt, n), rid
     assert pool.allocator.stats().in_use == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kind, pool_layers, prefix_caching", [
+    ("gemma3_text", None, True), ("gemma3_text", None, False), ("gemma3_text", 1, False), ("llama", 1, False)])
+def test_random_requests_up_to_the_limit_in_a_tight_pool_all_finish_as_they_do_alone(kind, pool_layers,
+                                                                                   prefix_caching, seed):
+    """Random requests, each up to the engine's limit (some at it), in pools of 16-40
+    pages: a sliding-window model, and models on pools with fewer layers than they have
+    (layer groups). Every request ends with the tokens it gives alone within a bounded
+    number of steps (no request admitted that cannot finish, no stall), aborts included,
+    and every page comes back."""
+    rng = random.Random(seed)
+    model = make_model(kind)
+    L, H, D = kv_dims(kind)
+    pool = PagePool(num_layers=pool_layers or L, num_kv_heads=H, head_dim=D, page_size=4,
+                    num_pages=rng.randrange(16, 41), dtype=mx.float32)
+    engine = Engine(model, pool, decode=letters, max_batch=rng.choice([2, 4]), prefill_chunk=rng.choice([4, 8]),
+                    prefill_budget=rng.choice([8, 16]), prefix_caching=prefix_caching)
+    limit, sink, reqs = engine.limits.max_pool_tokens, Sink(), {}
+    assert limit >= 8
+    shared = prompt_of_len(limit)
+    for i in range(8):
+        total = limit if i % 3 == 0 else rng.randrange(4, limit + 1)
+        n = rng.randrange(1, total - 1)
+        prompt = shared[: total - n] if rng.random() < 0.5 else [rng.randrange(1, VOCAB) for _ in range(total - n)]
+        reqs[f"r{i}"] = (prompt, n)
+    pending, steps, aborted = list(reqs), 0, None
+    while pending or engine.has_work:
+        if pending and rng.random() < 0.5:
+            rid = pending.pop(0)
+            engine.add(GenerationRequest(rid, reqs[rid][0], SamplingParams(max_tokens=reqs[rid][1]), sink))
+        if aborted is None and steps == 5:
+            aborted = next(iter(sink.deltas), None)
+            if aborted is not None:
+                engine.abort(aborted)
+        engine.step()
+        steps += 1
+        assert steps < 1500, "the engine stalled"
+    for rid, (prompt, n) in reqs.items():
+        if rid == aborted:
+            assert sink.last(rid).finish_reason == "abort"
+            continue
+        assert sink.last(rid).finish_reason == "length"
+        assert sink.ids(rid) == solo(model, prompt, n), rid
+    engine.close()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
