@@ -606,22 +606,23 @@ def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_wi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("kind, pool_layers, prefix_caching", [
-    ("gemma3_text", None, True), ("gemma3_text", None, False), ("gemma3_text", 1, False), ("llama", 1, False)])
+@pytest.mark.parametrize("kind, pool_layers, prefix_caching, compiled", [
+    ("gemma3_text", None, True, False), ("gemma3_text", None, False, False), ("gemma3_text", None, True, True),
+    ("gemma3_text", 1, False, False), ("llama", 1, False, False)])
 def test_random_requests_up_to_the_limit_in_a_tight_pool_all_finish_as_they_do_alone(kind, pool_layers,
-                                                                                   prefix_caching, seed):
+                                                                                   prefix_caching, compiled, seed):
     """Random requests, each up to the engine's limit (some at it), in pools of 16-40
     pages: a sliding-window model, and models on pools with fewer layers than they have
-    (layer groups). Every request ends with the tokens it gives alone within a bounded
-    number of steps (no request admitted that cannot finish, no stall), aborts included,
-    and every page comes back."""
+    (layer groups); eager and compiled decode steps. Every request ends with the tokens
+    it gives alone within a bounded number of steps (no request admitted that cannot
+    finish, no stall), aborts included, and every page comes back."""
     rng = random.Random(seed)
     model = make_model(kind)
     L, H, D = kv_dims(kind)
     pool = PagePool(num_layers=pool_layers or L, num_kv_heads=H, head_dim=D, page_size=4,
                     num_pages=rng.randrange(16, 41), dtype=mx.float32)
     engine = Engine(model, pool, decode=letters, max_batch=rng.choice([2, 4]), prefill_chunk=rng.choice([4, 8]),
-                    prefill_budget=rng.choice([8, 16]), prefix_caching=prefix_caching)
+                    prefill_budget=rng.choice([8, 16]), prefix_caching=prefix_caching, compiled_decode=compiled)
     limit, sink, reqs = engine.limits.max_pool_tokens, Sink(), {}
     assert limit >= 8
     shared = prompt_of_len(limit)
