@@ -295,10 +295,21 @@ def test_a_pool_with_fewer_layers_than_the_model_counts_every_layer_groups_pages
     assert pool.allocator.num_in_use() == 0
 
 
-@pytest.mark.parametrize("arg", ["prefill_chunk", "prefill_budget"])
-def test_a_prefill_chunk_or_budget_below_one_token_is_refused(model, arg):
-    with pytest.raises(InvalidValueError, match=arg):
-        make_engine(model, **{arg: 0})
+@pytest.mark.parametrize("kw, error", [
+    (dict(prefill_chunk=0), InvalidValueError), (dict(prefill_budget=0), InvalidValueError),
+    (dict(max_batch=0), InvalidValueError), (dict(max_batch=2.0), InvalidTypeError),
+    (dict(max_model_len=1), InvalidValueError), (dict(watermark=1.0), InvalidValueError),
+    (dict(watermark=True), InvalidValueError), (dict(decode="abc"), InvalidTypeError)])
+def test_engine_settings_that_could_never_serve_are_refused_up_front(model, kw, error):
+    """Settings under which the engine would admit or prefill nothing, forever (a batch
+    of 0, chunks of 0 tokens), or fail later inside a step, raise a typed error when the
+    engine is made, naming the setting, and leave the pool untouched."""
+    L, H, D = kv_dims("llama")
+    pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=4, num_pages=40, dtype=mx.float32)
+    before = pool.allocator.stats()
+    with pytest.raises(error, match=next(iter(kw))):
+        Engine(model, pool, **{"decode": letters, **kw})
+    assert pool.allocator.stats() == before
 
 
 def prompt_of_len(n: int) -> list[int]:

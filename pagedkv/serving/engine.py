@@ -225,6 +225,13 @@ class Engine:
         self.pool = pool
         prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1)
         prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
+        max_batch = check_int("max_batch", max_batch, minimum=1)  # (0 would admit nothing, forever)
+        if max_model_len is not None:
+            max_model_len = check_int("max_model_len", max_model_len, minimum=2)
+        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+            raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        if not callable(decode):
+            raise InvalidTypeError(f"decode must turn token ids into text, got {type(decode).__name__}")
         if state_pool is not None and (not isinstance(state_pool, StatePool) or state_pool.usable_slots < 2):
             raise InvalidValueError("state_pool must be a StatePool with at least 2 usable slots (a running "
                                     "request and the one it moves to off a checkpoint)")
