@@ -12,7 +12,7 @@ from typing import Iterable, Iterator
 import attrs
 import mlx.core as mx
 
-from pagedkv.errors import InvalidValueError
+from pagedkv.errors import InvalidValueError, check_int
 
 
 @attrs.define
@@ -50,6 +50,7 @@ def prefill(model, cache, tokens: list[int], chunk: int = 512, *, prefix=None, k
     all its token ids), each chunk's full pages are registered after it, and on a hybrid
     model chunks stop at checkpoint boundaries (``PrefixCache.aligned_take``), so later
     requests can start from the recurrent state there."""
+    chunk = check_int("chunk", chunk, minimum=1)
     if prefix is not None and keys is None:
         raise InvalidValueError("prefill with a prefix cache needs the sequence's keys (or token ids)")
     i = 0
@@ -85,10 +86,13 @@ def generate(
     """Yield up to ``max_tokens`` new token ids (stopping after an EOS id).
 
     The prompt is prefilled in chunks of ``prefill_chunk`` tokens. ``stats`` (optional)
-    is filled in as the loop runs.
+    is filled in as the loop runs. Bad arguments raise a typed error before anything is
+    written to ``cache``.
     """
     if not prompt:
-        raise ValueError("prompt must hold at least one token")
+        raise InvalidValueError("prompt must hold at least one token")
+    max_tokens = check_int("max_tokens", max_tokens, minimum=0)
+    prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1)
     eos = set(eos_ids)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)

@@ -383,3 +383,28 @@ def test_a_full_pool_at_a_new_step_leaves_an_unfinished_earlier_step_alone():
         c[0].update_and_fetch(*t(3, 8))
     assert state_of(p, c) == before
     assert keys_of(c[0]) == [1, 1, 1, 1, 2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("call", [
+    "prefill chunk 0", "prefill chunk 2.0", "generate max_tokens -1", "generate prefill_chunk 0",
+    "generate empty prompt"])
+def test_generate_and_prefill_refuse_bad_arguments_before_writing_anything(call):
+    """A chunk of 0 tokens (which would never advance), a negative token budget or an
+    empty prompt raise a typed error and the cache holds no token and no page."""
+    from tiny_models import make_model, make_pool
+
+    from pagedkv import InvalidTypeError, InvalidValueError, make_paged_cache
+    from pagedkv.generation import generate, prefill
+
+    model, pool = make_model("llama"), make_pool("llama", page_size=4)
+    calls = {
+        "prefill chunk 0": lambda c: prefill(model, c, [1, 2, 3], 0),
+        "prefill chunk 2.0": lambda c: prefill(model, c, [1, 2, 3], 2.0),
+        "generate max_tokens -1": lambda c: list(generate(model, c, [1, 2, 3], max_tokens=-1)),
+        "generate prefill_chunk 0": lambda c: list(generate(model, c, [1, 2, 3], max_tokens=2, prefill_chunk=0)),
+        "generate empty prompt": lambda c: list(generate(model, c, [], max_tokens=2)),
+    }
+    with make_paged_cache(model, pool) as cache:
+        with pytest.raises(InvalidTypeError if "2.0" in call else InvalidValueError):
+            calls[call](cache)
+        assert cache.num_tokens == 0 and pool.allocator.num_in_use() == 0
