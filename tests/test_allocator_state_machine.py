@@ -190,8 +190,20 @@ class SortedModel(AllocatorModel):
     cls = SortedAllocator
 
 
-SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None)
+# A quarter of the examples in the quick loop (``-m 'not slow'``), the rest in the slow set.
+QUICK = settings(max_examples=50, stateful_step_count=50, deadline=None)
+THOROUGH = settings(max_examples=150, stateful_step_count=50, deadline=None)
 TestFreeListStateMachine = FreeListModel.TestCase
-TestFreeListStateMachine.settings = SETTINGS
+TestFreeListStateMachine.settings = QUICK
 TestSortedStateMachine = SortedModel.TestCase
-TestSortedStateMachine.settings = SETTINGS
+TestSortedStateMachine.settings = QUICK
+
+
+@pytest.mark.slow
+class TestFreeListStateMachineThorough(FreeListModel.TestCase):
+    settings = THOROUGH
+
+
+@pytest.mark.slow
+class TestSortedStateMachineThorough(SortedModel.TestCase):
+    settings = THOROUGH

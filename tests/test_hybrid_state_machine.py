@@ -13,6 +13,7 @@ slot held.
 import hypothesis.strategies as st
 import mlx.core as mx
 import numpy as np
+import pytest
 from batch_rules import FilterBatchRule
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -235,5 +236,10 @@ class HybridSequences(FilterBatchRule, RuleBasedStateMachine):
             assert alloc.num_in_use() == 0
 
 
-TestHybridSequences = HybridSequences.TestCase
-TestHybridSequences.settings = settings(max_examples=80, stateful_step_count=30, deadline=None)
+TestHybridSequences = HybridSequences.TestCase  # a quarter of the examples in the quick loop
+TestHybridSequences.settings = settings(max_examples=20, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.slow
+class TestHybridSequencesThorough(HybridSequences.TestCase):
+    settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

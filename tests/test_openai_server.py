@@ -326,6 +326,7 @@ def test_sigterm_mid_request_stops_the_server_and_releases_every_page():
         assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", ["on", "off"])
 def test_a_compiled_decode_server_gives_concurrent_clients_their_solo_answers(lm, overlap):
     """``--compiled-decode on``: the batch's decode steps replay traces; rows join, leave and

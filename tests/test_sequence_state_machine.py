@@ -367,8 +367,15 @@ class DiskSequences(Sequences):
             shutil.rmtree(self.directory, ignore_errors=True)
 
 
-TestSequences = Sequences.TestCase
-TestSequences.settings = settings(max_examples=120, stateful_step_count=30, deadline=None)
+TestSequences = Sequences.TestCase  # a quarter of the examples in the quick loop
+TestSequences.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.slow
+class TestSequencesThorough(Sequences.TestCase):
+    settings = settings(max_examples=90, stateful_step_count=30, deadline=None)
+
+
 TestDiskSequences = pytest.mark.slow(DiskSequences.TestCase)
 TestDiskSequences.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestQuantizedSequences = pytest.mark.slow(QuantizedSequences.TestCase)

@@ -120,8 +120,15 @@ class QuantizedViewLifetimes(ViewLifetimes):
     codecs = (AffineQuant(4, 32), rotated(3, D, group_size=32))
 
 
-TestViewLifetimes = ViewLifetimes.TestCase
-TestViewLifetimes.settings = settings(max_examples=150, stateful_step_count=30, deadline=None)
+TestViewLifetimes = ViewLifetimes.TestCase  # a third of the examples in the quick loop
+TestViewLifetimes.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+@pytest.mark.slow
+class TestViewLifetimesThorough(ViewLifetimes.TestCase):
+    settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+
+
 TestQuantizedViewLifetimes = QuantizedViewLifetimes.TestCase
 TestQuantizedViewLifetimes.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestQuantizedViewLifetimes.pytestmark = [pytest.mark.slow]  # (the full-precision machine stays in the fast loop)
