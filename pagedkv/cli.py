@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedkv.errors import PagedKvError
+
 
 def int_at_least(minimum: int):
     """An argparse type: an integer >= ``minimum``."""
@@ -62,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from pagedkv.demo import build_parser, run
 
-    return run(build_parser().parse_args(argv[1:]))
+    parser = build_parser()
+    args = parser.parse_args(argv[1:])
+    try:
+        return run(args)
+    except PagedKvError as e:  # settings that cannot work (a pool too small for two pages, say)
+        parser.error(str(e))  # (exits 2 with the usage, as a bad argument does)
 
 
 if __name__ == "__main__":

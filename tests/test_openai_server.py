@@ -395,3 +395,11 @@ def test_smollm2_answers_over_http_as_it_does_alone():
         assert r.choices[0].message.content == solo(lm, lm.chat_tokens(q), 12)[0]
     finally:
         assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
+
+
+def test_a_pool_too_small_for_the_model_is_a_usage_error_not_a_traceback():
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--model", MODEL, "--port", "0",
+                          "--pool-bytes", "1000"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert "pagedkv serve: error: max_bytes=1000 holds fewer than 2 pages" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
