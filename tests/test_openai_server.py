@@ -397,9 +397,13 @@ def test_smollm2_answers_over_http_as_it_does_alone():
         assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
 
 
-def test_a_pool_too_small_for_the_model_is_a_usage_error_not_a_traceback():
-    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--model", MODEL, "--port", "0",
-                          "--pool-bytes", "1000"], capture_output=True, text=True, timeout=300)
+@pytest.mark.parametrize("args, says", [
+    (["--model", MODEL, "--pool-bytes", "1000"], "max_bytes=1000 holds fewer than 2 pages"),
+    (["--model", "/no/such/model.gguf"], "--model '/no/such/model.gguf' is not smollm2, tiny-random"),
+    (["--model", "README.md"], "--model 'README.md' is not smollm2")])
+def test_settings_that_cannot_serve_are_a_usage_error_not_a_traceback(args, says):
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", *args],
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert "pagedkv serve: error: max_bytes=1000 holds fewer than 2 pages" in out.stderr
+    assert f"pagedkv serve: error: {says}" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout

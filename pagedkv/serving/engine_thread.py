@@ -34,6 +34,7 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
         self.engine: Engine | None = None
         self.build_error: BaseException | None = None
+        self._finished = threading.Event()  # its work is over: built nothing, or stopped
         self.errors = 0
 
     def start(self, timeout: float | None = None) -> Engine:
@@ -47,7 +48,7 @@ class EngineThread:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.engine is not None
+        return self.engine is not None and not self._finished.is_set()
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue ``req``; a request the engine refuses gets a last ``Delta`` with
@@ -58,12 +59,25 @@ class EngineThread:
         self._commands.put(("abort", rid))
 
     def stop(self, timeout: float | None = 30) -> None:
-        """Abort everything, release every page and end the thread."""
-        if self._thread.is_alive():
+        """Abort everything, release every page and end the engine's work."""
+        if self._thread.is_alive() and not self._finished.is_set():
             self._commands.put(_STOP)
-            self._thread.join(timeout)
+            self._finished.wait(timeout)
 
     def _run(self) -> None:
+        """Serve, then park. The thread never ends: ending runs MLX's thread-local
+        destructors, whose compile cache holds Python functions and takes the GIL, and
+        a process exiting meanwhile then aborts in C++ (``std::terminate``: seen as exit
+        134 after a failed start). A parked daemon thread ends with the process."""
+        try:
+            self._serve()
+        except BaseException:
+            log.exception("the engine thread failed")
+        finally:
+            self._finished.set()
+        threading.Event().wait()
+
+    def _serve(self) -> None:
         try:
             self.engine = engine = self._build()
         except BaseException as e:  # handed to start()

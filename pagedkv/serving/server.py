@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from pagedkv.cli import int_at_least, positive_int
+from pagedkv.errors import InvalidValueError
 
 DEFAULT_POOL_BYTES = 256 << 20
 COMPILED_DECODE = {"auto": None, "on": True, "off": False}  # --compiled-decode -> Engine(compiled_decode=)
@@ -77,6 +79,9 @@ def load_model(spec: str):
         return tiny_random_llama(smollm2_path(install=True))
     if is_mlx_lm_dir(spec):
         return load_mlx_lm(spec)
+    if not (os.path.isfile(spec) and spec.endswith(".gguf")):
+        raise InvalidValueError(f"--model {spec!r} is not smollm2, tiny-random, a .gguf file or an mlx-lm "
+                                "model directory")
     return load_gguf_llama(spec)
 
 
@@ -145,7 +150,11 @@ def run(args: argparse.Namespace) -> int:
     loaded: list = []
     thread = EngineThread(lambda: build_engine(args, loaded))
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = thread.start()
+    try:
+        engine = thread.start()
+    except BaseException:
+        loaded.clear()
+        raise
     lm = loaded[0]
     pool = engine.pool
     print(f"model '{lm.name}': {lm.num_layers} layers, {lm.num_kv_heads} KV heads, head_dim {lm.head_dim}; "
