@@ -647,10 +647,8 @@ def test_random_requests_up_to_the_limit_in_a_tight_pool_all_finish_as_they_do_a
         if pending and rng.random() < 0.5:
             rid = pending.pop(0)
             engine.add(GenerationRequest(rid, reqs[rid][0], SamplingParams(max_tokens=reqs[rid][1]), sink))
-        if aborted is None and steps == 5:
-            aborted = next(iter(sink.deltas), None)
-            if aborted is not None:
-                engine.abort(aborted)
+        if aborted is None and steps == 5:  # (a request that has not finished yet, if any)
+            aborted = next((rid for rid in sink.deltas if engine.abort(rid)), None)
         engine.step()
         steps += 1
         assert steps < 1500, "the engine stalled"
