@@ -378,3 +378,42 @@ def test_one_byte_budget_covers_pages_and_state_slots(model):
     assert none is None and plain.num_layers == 3
     with pytest.raises(InvalidValueError):
         pools_for_model(make_model("llama"), max_bytes=1 << 20, state_slots=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3))
+def test_random_hybrid_requests_up_to_the_limit_in_tight_pools_all_finish_as_they_do_alone(model, seed):
+    """Random requests up to the engine's limit (some at it) in pools of 16-40 pages and
+    3-7 state slots, prefix caching on or off, checkpoints every 1 or 2 pages: every
+    request ends with the tokens it gives alone within a bounded number of steps, and
+    every page and slot comes back."""
+    from pagedkv.generation import generate
+
+    rng = random.Random(seed)
+    pool, states = pools(model, pages=rng.randrange(16, 41), slots=rng.randrange(3, 8))
+    engine = Engine(model, pool, decode=lambda ids: "", state_pool=states, max_batch=rng.choice([2, 4]),
+                    prefill_chunk=rng.choice([4, 8]), prefill_budget=rng.choice([8, 16]),
+                    prefix_caching=rng.random() < 0.6, checkpoint_every=rng.choice([1, 2]))
+    limit, out, reqs = engine.limits.max_pool_tokens, {}, {}
+    shared = [(7 * i) % (VOCAB - 1) + 1 for i in range(limit)]
+    for i in range(6):
+        total = limit if i % 3 == 0 else rng.randrange(4, limit + 1)
+        n = rng.randrange(1, min(total - 1, 20))
+        prompt = shared[: total - n] if rng.random() < 0.5 else [rng.randrange(1, VOCAB) for _ in range(total - n)]
+        reqs[f"r{i}"] = (prompt, n)
+
+    def sink(delta):
+        out.setdefault(delta.rid, []).extend(delta.token_ids)
+
+    pending, steps = list(reqs), 0
+    while pending or engine.has_work:
+        if pending and rng.random() < 0.5:
+            rid = pending.pop(0)
+            engine.add(GenerationRequest(rid, reqs[rid][0], SamplingParams(max_tokens=reqs[rid][1]), sink))
+        engine.step()
+        steps += 1
+        assert steps < 1500, "the engine stalled"
+    for rid, (prompt, n) in reqs.items():
+        assert out[rid] == list(generate(model, make_prompt_cache(model), prompt, max_tokens=n)), rid
+    engine.close()
+    no_leaks(pool, states)
