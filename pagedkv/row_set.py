@@ -738,9 +738,9 @@ class RowSet:
         the pool rather than ``parts`` where it can (False: ``parts`` are such views);
         ``read``: ``visible_read(layer)``, if the caller has it."""
         spec, pool_layer = self.layout.layers[layer]
-        return (read or self.visible_read(layer)).attend(pool_layer, queries, scale, mask, exact=exact, kernel=mask_is_ours,
-                                               parts=parts, window=self.layout.specs[spec].window, sinks=sinks,
-                                               borrow=borrow)
+        return (read or self.visible_read(layer)).attend(
+            pool_layer, queries, scale, mask, exact=exact, kernel=mask_is_ours, parts=parts,
+            window=self.layout.specs[spec].window, sinks=sinks, borrow=borrow)
 
     # ------------------------------------------------------------------ sharing
     def view(self, layer: int, lo: np.ndarray | None = None, hi: np.ndarray | None = None) -> KvAttentionView:

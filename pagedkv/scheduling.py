@@ -24,6 +24,14 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // check_int("page_size", page_size, minimum=1))
 
 
+def check_watermark(watermark: float) -> float:
+    """``InvalidValueError`` unless ``watermark`` is a fraction in [0, 1) (the share of a
+    pool kept free for running sequences); returns it."""
+    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
+        raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+    return watermark
+
+
 def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached_tokens: int = 0,
               watermark: float = 0.01, state_pool: StatePool | None = None, releasable: int = 0,
               revived: int = 0, extra_pages: int = 0) -> bool:
@@ -45,8 +53,7 @@ def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached
     check_int("releasable", releasable, minimum=0)
     check_int("revived", revived, minimum=0)
     check_int("extra_pages", extra_pages, minimum=0)
-    if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-        raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+    check_watermark(watermark)
     need = pages_for(prompt_tokens + max_new_tokens, pool.page_size) - cached_tokens // pool.page_size \
         + extra_pages + revived
     reserve = math.ceil(watermark * pool.usable_pages)

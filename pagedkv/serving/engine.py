@@ -78,7 +78,7 @@ from pagedkv.model_config import text_config
 from pagedkv.pool import PagePool
 from pagedkv.prefix import PrefixCache, prefix_cache_serves
 from pagedkv.prefix_keys import PrefixKeys
-from pagedkv.scheduling import can_admit
+from pagedkv.scheduling import can_admit, check_watermark
 from pagedkv.serving.metrics import ServingMetrics
 from pagedkv.serving.sampling import SamplingParams, sample_rows
 from pagedkv.serving.text_stream import TextStream
@@ -228,8 +228,7 @@ class Engine:
         max_batch = check_int("max_batch", max_batch, minimum=1)  # (0 would admit nothing, forever)
         if max_model_len is not None:
             max_model_len = check_int("max_model_len", max_model_len, minimum=2)
-        if isinstance(watermark, bool) or not isinstance(watermark, (int, float)) or not 0 <= watermark < 1:
-            raise InvalidValueError(f"watermark must be a fraction in [0, 1), got {watermark!r}")
+        watermark = check_watermark(watermark)
         if not callable(decode):
             raise InvalidTypeError(f"decode must turn token ids into text, got {type(decode).__name__}")
         if state_pool is not None and (not isinstance(state_pool, StatePool) or state_pool.usable_slots < 2):
@@ -411,10 +410,8 @@ class Engine:
         full-attention table ``can_admit`` counts: its other tables' (sliding windows at
         their window, more full-attention groups in full). An admission estimate: a
         prefill that runs out stops, and resumes."""
-        pages = [peak_pages(tokens, self.pool.page_size, spec.window, spec.rewind, chunk=0)
-                 for spec in self._layout.specs]
-        full = [n for n, spec in zip(pages, self._layout.specs) if spec.window is None]
-        return sum(pages) - (full[0] if full else 0)
+        counted = any(spec.window is None for spec in self._layout.specs)
+        return self._layout.pages_for(tokens, chunk=0) - (peak_pages(tokens, self.pool.page_size) if counted else 0)
 
     def _pool_tokens(self, chunk: int) -> int:
         """The longest sequence (prompt + max_tokens) whose tables, written at most

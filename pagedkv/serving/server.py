@@ -150,11 +150,7 @@ def run(args: argparse.Namespace) -> int:
     loaded: list = []
     thread = EngineThread(lambda: build_engine(args, loaded))
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    try:
-        engine = thread.start()
-    except BaseException:
-        loaded.clear()
-        raise
+    engine = thread.start()
     lm = loaded[0]
     pool = engine.pool
     print(f"model '{lm.name}': {lm.num_layers} layers, {lm.num_kv_heads} KV heads, head_dim {lm.head_dim}; "
