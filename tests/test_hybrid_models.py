@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from snapshots import state_of, state_pool_of
-from tiny_models import HYBRIDS, LOGITS_ATOL, VOCAB, make_model
+from tiny_models import HYBRIDS, LOGITS_ATOL, VOCAB, make_model, prompt_of
 
 from pagedkv import (
     DiskTier,
@@ -395,7 +395,7 @@ def test_random_hybrid_requests_up_to_the_limit_in_tight_pools_all_finish_as_the
                     prefill_chunk=rng.choice([4, 8]), prefill_budget=rng.choice([8, 16]),
                     prefix_caching=rng.random() < 0.6, checkpoint_every=rng.choice([1, 2]))
     limit, out, reqs = engine.limits.max_pool_tokens, {}, {}
-    shared = [(7 * i) % (VOCAB - 1) + 1 for i in range(limit)]
+    shared = prompt_of(limit)
     for i in range(6):
         total = limit if i % 3 == 0 else rng.randrange(4, limit + 1)
         n = rng.randrange(1, min(total - 1, 20))

@@ -12,7 +12,7 @@ import threading
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
-from tiny_models import CONFIGS, VOCAB, kv_dims, make_model, model_of_config
+from tiny_models import CONFIGS, VOCAB, kv_dims, make_model, model_of_config, prompt_of
 
 from pagedkv import InvalidTypeError, InvalidValueError, PagePool
 from pagedkv.generation import generate
@@ -261,15 +261,15 @@ def test_a_sliding_window_model_admits_only_what_its_tables_hold_and_each_admitt
     assert kv_pages_for(model, 60, 4, L, chunk=8) <= 24 < kv_pages_for(model, 61, 4, L, chunk=8)
     for prompt, n in ((50, 10), (59, 1), (9, 51)):
         rid = f"{prompt}+{n}"
-        engine.add(GenerationRequest(rid, prompt_of_len(prompt), SamplingParams(max_tokens=n), sink))
+        engine.add(GenerationRequest(rid, prompt_of(prompt), SamplingParams(max_tokens=n), sink))
         steps = 0
         while engine.has_work:
             engine.step()
             steps += 1
             assert steps < 200, "the request never finished"
-        assert sink.ids(rid) == solo(model, prompt_of_len(prompt), n)
+        assert sink.ids(rid) == solo(model, prompt_of(prompt), n)
     with pytest.raises(RequestTooLarge, match="whole KV pool holds .60."):
-        engine.add(GenerationRequest("61", prompt_of_len(51), SamplingParams(max_tokens=10), sink))
+        engine.add(GenerationRequest("61", prompt_of(51), SamplingParams(max_tokens=10), sink))
     engine.close()
     pool.allocator.check()
     assert pool.allocator.num_in_use() == 0
@@ -285,7 +285,7 @@ def test_a_pool_with_fewer_layers_than_the_model_counts_every_layer_groups_pages
     engine, sink = Engine(model, pool, decode=letters, max_batch=4, prefix_caching=False), Sink()
     assert engine.limits.max_pool_tokens == 52 and len(engine._layout.specs) == 3
     assert engine._extra_pages(20) == 10  # the second and third tables' 5 pages each
-    prompts = {f"r{i}": prompt_of_len(12 + 3 * i) for i in range(4)}
+    prompts = {f"r{i}": prompt_of(12 + 3 * i) for i in range(4)}
     for rid, prompt in prompts.items():
         engine.add(GenerationRequest(rid, prompt, SamplingParams(max_tokens=8), sink))
     run(engine)
@@ -310,10 +310,6 @@ def test_engine_settings_that_could_never_serve_are_refused_up_front(model, kw, 
     with pytest.raises(error, match=next(iter(kw))):
         Engine(model, pool, **{"decode": letters, **kw})
     assert pool.allocator.stats() == before
-
-
-def prompt_of_len(n: int) -> list[int]:
-    return [(7 * i) % (VOCAB - 1) + 1 for i in range(n)]
 
 
 def test_abort_of_a_running_or_waiting_request_frees_its_pages_by_the_next_step(model):
@@ -636,7 +632,7 @@ def test_random_requests_up_to_the_limit_in_a_tight_pool_all_finish_as_they_do_a
                     prefill_budget=rng.choice([8, 16]), prefix_caching=prefix_caching, compiled_decode=compiled)
     limit, sink, reqs = engine.limits.max_pool_tokens, Sink(), {}
     assert limit >= 8
-    shared = prompt_of_len(limit)
+    shared = prompt_of(limit)
     for i in range(8):
         total = limit if i % 3 == 0 else rng.randrange(4, limit + 1)
         n = rng.randrange(1, total - 1)
