@@ -60,9 +60,9 @@ class LayerFace:
         self.layer = layer
         self.pool_layer = rows.layout.layers[layer][1]
         self.pool = rows.pool_of(layer)
-        self._fetched = None  # (read, weak references to what update_and_fetch returned, lent)
-        self._last_fetch = None  # (those references, lent, attended): checked at the next fetch
-        self._lends = False  # update_and_fetch may return views of the pool (see there)
+        # the last fetch: (read, weak references to what update_and_fetch returned, lent,
+        # attended: its attention took it); checked at the next fetch (see there)
+        self._fetched = None
         self._lent_and_held = False  # a caller kept lent views: copies from then on
         kind = self.pool.kind
         if kind.mlx_quantized:  # mlx-lm dispatches on hasattr(cache, "bits")
@@ -85,21 +85,19 @@ class LayerFace:
         builds no gather for nothing. A view still held at the layer's next write makes
         that write copy the layer's array (the values stay right), so a layer whose
         caller kept one returns copies from then on. O(1) more than the write."""
-        last = self._last_fetch
+        lends, last = False, self._fetched
         if last is not None:  # the previous fetch: went to attend, and dropped?
-            held = any(r() is not None for r in last[0])
-            if held and last[1]:
+            held = any(r() is not None for p in last[1] for r in p)
+            if held and last[2]:
                 self._lent_and_held = True
-            self._lends = last[2] and not held and not self._lent_and_held
+            lends = last[3] and not held and not self._lent_and_held
         self.rows.write(self.layer, keys, values)
         read = self.rows.visible_read(self.layer)
-        parts = read.borrowed(self.pool_layer, self.exact) if self._lends else None
+        parts = read.borrowed(self.pool_layer, self.exact) if lends else None
         lent = parts is not None
         if not lent:
             parts = read.parts(self.pool_layer, self.exact)
-        refs = [[weakref.ref(x) for x in p] for p in parts]
-        self._fetched = (read, refs, lent)
-        self._last_fetch = ([r for p in refs for r in p], lent, False)
+        self._fetched = (read, [[weakref.ref(x) for x in p] for p in parts], lent, False)
         return self.pool.kind.model_inputs(*parts)
 
     def storage(self) -> list[mx.array]:
@@ -122,10 +120,10 @@ class LayerFace:
         # would keep a copy of the K/V alive and be evaluated at the next write). The
         # row set hands out one read per position of a layer until its rows change, so
         # the same read object means the same keys.
-        fetched, self._fetched, parts, lent = self._fetched, None, None, False
+        fetched, parts, lent = self._fetched, None, False
         read = self.rows.visible_read(self.layer)
-        if fetched is not None and fetched[0] is read:
-            self._last_fetch = (self._last_fetch[0], fetched[2], True)
+        if fetched is not None and not fetched[3] and fetched[0] is read:
+            self._fetched = (*fetched[:3], True)
             parts = tuple(tuple(r() for r in p) for p in fetched[1])
             parts = None if any(x is None for p in parts for x in p) else parts
             lent = parts is not None and fetched[2]

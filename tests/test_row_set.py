@@ -121,7 +121,7 @@ def test_a_routed_step_builds_no_gather_once_its_layers_fetches_go_to_attention(
         gathers.clear()
         for t in (3, 4):
             mx.eval(model(mx.array([[t]]), cache=cache))
-        assert gathers == [] and all(c._fetched is None and c._last_fetch[1] for c in cache)
+        assert gathers == [] and all(c._fetched[2] and c._fetched[3] for c in cache)  # lent, attended
         from pagedkv.cache import LayerFace
         monkeypatch.setattr(LayerFace, "reads_pages", False)  # a model that never calls attend
         for t in (5, 6):
@@ -151,7 +151,7 @@ def test_a_caller_that_keeps_lent_views_gets_copies_from_then_on_and_right_value
             fetched = layer.update_and_fetch(*written[-1])
             mx.eval(layer.attend(q, 0.125, None), fetched)
             if i == 0:
-                assert layer._fetched is None and layer._last_fetch[1]  # lent
+                assert layer._fetched[2] and layer._fetched[3]  # lent, attended
             if i % 2 == 0:
                 kept.append((i, fetched))
             del fetched
@@ -159,7 +159,7 @@ def test_a_caller_that_keeps_lent_views_gets_copies_from_then_on_and_right_value
                 mx.reset_peak_memory()
                 base = mx.get_active_memory()
         assert mx.get_peak_memory() - base < pool.nbytes / 8  # copies, not the pool's arrays again
-        assert layer._lent_and_held and not layer._last_fetch[1]
+        assert layer._lent_and_held and not layer._fetched[2]
         for i, (got_k, got_v) in kept:
             k, v = written[i]
             assert np.array_equal(np.array(got_k[:, :, -1:]), np.array(k))
