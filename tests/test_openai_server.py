@@ -261,6 +261,9 @@ def test_a_request_that_can_never_fit_gets_a_400_before_any_prefill(client, serv
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}).encode(), 400, "logprobs"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [""]}).encode(), 400, "stop"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": "7"}).encode(), 400, "seed"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 1 << 64}).encode(), 400, "seed"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past Python's recursion limit
 ])
 def test_malformed_and_bad_requests_get_typed_json_errors_and_the_server_keeps_serving(server, client, body, status, param):
     import httpx
@@ -271,6 +274,29 @@ def test_malformed_and_bad_requests_get_typed_json_errors_and_the_server_keeps_s
     assert err["type"] in ("invalid_request_error", "not_found_error") and err["message"]
     assert err["param"] == param
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_a_seeded_request_gets_the_same_answer_alone_and_among_concurrent_sampled_ones(server):
+    import httpx
+
+    def ask(content: str, seed: int | None) -> str:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 10,
+                "temperature": 1.0, **({} if seed is None else {"seed": seed})}
+        r = httpx.post(server + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+
+    alone = {seed: ask("tell me a story", seed) for seed in (1, 2, 3)}
+    assert len(set(alone.values())) == 3  # the seeds draw differently
+
+    async def crowd() -> list[str]:
+        jobs = [asyncio.to_thread(ask, "tell me a story", seed) for seed in (3, 1, 2)]
+        jobs += [asyncio.to_thread(ask, f"something else {i}", None) for i in range(5)]
+        return await asyncio.gather(*jobs)
+
+    crowded = asyncio.run(crowd())
+    assert crowded[:3] == [alone[3], alone[1], alone[2]]
+    assert wait_idle(server)["pagedkv:kv_pages_in_use"] == 0
 
 
 def test_bad_completion_prompts_and_routes_are_refused(server):

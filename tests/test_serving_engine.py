@@ -9,6 +9,7 @@ import collections
 import random
 import threading
 
+import attrs
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
@@ -445,7 +446,9 @@ def test_text_stream_stops_before_a_stop_string_split_over_tokens():
     (dict(max_tokens=2, temperature=-1), InvalidValueError), (dict(max_tokens=2, temperature="1"), InvalidTypeError),
     (dict(max_tokens=2, top_p=0), InvalidValueError), (dict(max_tokens=2, top_p=1.5), InvalidValueError),
     (dict(max_tokens=2, stop=[""]), InvalidValueError), (dict(max_tokens=2, stop=["a"] * 5), InvalidValueError),
-    (dict(max_tokens=2, stop=3), InvalidTypeError),
+    (dict(max_tokens=2, stop=3), InvalidTypeError), (dict(max_tokens=2, seed=True), InvalidTypeError),
+    (dict(max_tokens=2, seed="7"), InvalidTypeError), (dict(max_tokens=2, seed=1 << 64), InvalidValueError),
+    (dict(max_tokens=2, seed=-(1 << 63) - 1), InvalidValueError),
 ])
 def test_sampling_params_refuse_bad_values(kw, error):
     with pytest.raises(error):
@@ -466,6 +469,65 @@ def test_sample_rows_greedy_nucleus_and_temperature():
     assert 0.3 < firsts.count(3) / firsts.count(1) < 1.5  # e^-0.1 ≈ 0.9
     half = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.6)  # tokens 1 and 3 only
     assert set(sample_rows(logits, [half, half]).tolist()[0] for _ in range(100)) <= {1, 3}
+
+
+def test_a_seeded_row_draws_by_its_seed_and_position_alone_whatever_else_is_sampled():
+    logits = mx.array([[0.0, 1.0, 0.5, 1.2, -1.0], [2.0, 0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    seeded = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.8, seed=12345)
+    other = SamplingParams(max_tokens=1, temperature=0.7, seed=None)
+    greedy = SamplingParams(max_tokens=1)
+    for position in (0, 1, 37, 10_000):
+        alone = sample_rows(logits[:1], [seeded], [position]).item()
+        mx.random.seed(position)  # the global generator's state does not matter to it
+        in_batch = sample_rows(logits[[2, 0, 1]], [other, seeded, greedy], [5, position, 9]).tolist()
+        assert in_batch[1] == alone and in_batch[2] == 0
+    with pytest.raises(InvalidValueError):  # its key needs a position
+        sample_rows(logits[:1], [seeded])
+    # over positions, one seed's draws follow the nucleus distribution, and other seeds differ
+    probs = mx.softmax(logits[0], axis=-1).tolist()  # top_p 0.8 leaves tokens 3, 1 and 2
+    draws = [sample_rows(logits[:1], [seeded], [p]).item() for p in range(3000)]
+    kept = sum(probs[t] for t in (1, 2, 3))
+    assert set(draws) == {1, 2, 3}
+    for t in (1, 2, 3):
+        assert abs(draws.count(t) / 3000 - probs[t] / kept) < 0.04, t
+    runs = {tuple(sample_rows(logits[:1], [attrs.evolve(seeded, seed=s)], [p]).item() for p in range(20))
+            for s in range(6)}
+    assert len(runs) == 6
+
+
+@pytest.mark.parametrize("compiled_decode, overlap_decode", [(False, True), (False, False), (True, True)])
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_a_crowded_batch_with_preemptions(
+        model, compiled_decode, overlap_decode):
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 20))] for _ in range(8)]
+    seeds = [None if i % 3 == 2 else 1000 + i for i in range(8)]
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95 if i % 2 else 1.0, seed=s)
+              for i, s in enumerate(seeds)]
+
+    def serve(which: list[int], num_pages: int, mode: tuple[bool, bool]) -> tuple[Sink, list[GenerationRequest]]:
+        engine = make_engine(model, num_pages=num_pages, max_batch=8, compiled_decode=mode[0], overlap_decode=mode[1])
+        sink = Sink()
+        work = [GenerationRequest(f"r{i}", prompts[i], params[i], sink) for i in which]
+        for w in work:
+            engine.add(w)
+        run(engine)
+        assert engine.pool.allocator.stats().in_use == 0
+        return sink, work
+
+    alone = {i: serve([i], 40, (False, False))[0].ids(f"r{i}") for i in range(8) if seeds[i] is not None}
+    crowded, work = serve(list(range(8)), 24, (compiled_decode, overlap_decode))
+    assert sum(w.preemptions for w in work) > 0  # 24 pages of 4 tokens are too few at once
+    for i, ids in alone.items():
+        assert crowded.ids(f"r{i}") == ids, i
+    assert len({tuple(ids) for ids in alone.values()}) == len(alone)  # the seeds draw differently
+
+
+def test_the_pool_gauges_read_the_empty_pool_before_the_first_request(model):
+    engine = make_engine(model, num_pages=40)
+    sample = engine.metrics.registry.get_sample_value
+    assert sample("pagedkv:kv_pages_free", {"model_name": "pagedkv"}) == 39  # (less the null page)
+    assert sample("pagedkv:kv_pages_in_use", {"model_name": "pagedkv"}) == 0
+    assert sample("pagedkv:kv_cache_usage_perc", {"model_name": "pagedkv"}) == 0
 
 
 def test_a_request_that_fits_only_with_the_compiled_steps_lookahead_pages_is_admitted(model):

@@ -70,6 +70,8 @@ def create_app(engine: EngineThread, lm: LoadedModel, *, default_max_tokens: int
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        except RecursionError:  # (arrays or objects nested thousands deep)
+            raise ApiError(400, "the request body nests too deeply") from None
 
     def prompt_of(req: ApiRequest) -> list[int]:
         if req.kind == "chat":

@@ -275,6 +275,7 @@ class Engine:
         self._unread_rows: list[GenerationRequest] = []  # whose, in ``_unread``'s order
         self._ids: dict[str, GenerationRequest] = {}
         self._closed = False
+        self._update_gauges()  # (a scrape before the first request sees the empty pool)
 
     # ------------------------------------------------------------------ requests in / out
     @property
@@ -462,7 +463,7 @@ class Engine:
                 return budget
             if not resumed:
                 logits = self.model(mx.array(job.rest)[None], cache=cache)[:, -1]
-                token = int(sample_rows(logits, [req.params]).item())
+                token = int(sample_rows(logits, [req.params], [len(req.prompt)]).item())
                 budget -= 1
         except PoolExhausted:
             self._drop_prefill(job)
@@ -498,7 +499,9 @@ class Engine:
                     logits = self._compiled(tokens)[:, -1]
                 else:
                     logits = self.model(tokens, cache=self.batch.caches)[:, -1]
-                sampled = sample_rows(logits, [r.params for r in self.running])
+                params = [r.params for r in self.running]  # (a seeded row's noise is keyed by position)
+                positions = self.batch.lengths if any(p.seed is not None for p in params) else None
+                sampled = sample_rows(logits, params, positions)
                 break
             except PoolExhausted:  # (the step changed nothing)
                 if self._unread is not None:  # the tokens in flight first: some rows may end

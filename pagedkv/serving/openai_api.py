@@ -7,8 +7,9 @@ loop.
 
 Supported: ``messages`` (system / user / assistant, string or text-part content),
 ``prompt`` (a string, one string in a list, or token ids), ``max_tokens`` /
-``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``stream``,
-``stream_options.include_usage``, ``n`` = 1. Parameters that would change the output
+``max_completion_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed`` (the same
+tokens for the same request and seed, alone or in any batch: ``sample_rows``),
+``stream``, ``stream_options.include_usage``, ``n`` = 1. Parameters that would change the output
 but are not implemented (``n`` > 1, ``logprobs``, penalties, ``logit_bias``, tools, a
 JSON response format, ``echo``, ``suffix``, ``best_of`` > 1) are refused, never ignored.
 Unknown parameters are ignored, as vLLM does.
@@ -49,10 +50,11 @@ class ApiRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    seed: int | None = None
 
     def params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              stop=self.stop)
+                              stop=self.stop, seed=self.seed)
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -106,15 +108,17 @@ def _common(body: dict, kind: str, served: str) -> dict:
     temperature = _get(body, "temperature", (int, float), 1.0)
     top_p = _get(body, "top_p", (int, float), 1.0)
     stop = body.get("stop")
+    seed = _get(body, "seed", (int,))
     try:  # the same checks the engine makes, answered as 400s naming the parameter
         checked = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1,
-                                 temperature=temperature, top_p=top_p, stop=stop)
+                                 temperature=temperature, top_p=top_p, stop=stop, seed=seed)
     except (InvalidValueError, InvalidTypeError) as e:
         text = str(e)
-        param = next((p for p in ("max_tokens", "temperature", "top_p", "stop") if text.startswith(p)), None)
+        param = next((p for p in ("max_tokens", "temperature", "top_p", "stop", "seed") if text.startswith(p)),
+                     None)
         raise _bad(text.replace("max_tokens", limit, 1) if param == "max_tokens" else text, param) from None
     return dict(model=model, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                stop=checked.stop, stream=stream,
+                stop=checked.stop, stream=stream, seed=seed,
                 include_usage=bool(stream and _get(options, "include_usage", (bool,), False)))
 
 

@@ -1,8 +1,16 @@
 """``SamplingParams`` (what one request asks for) and ``sample_rows`` (one token per row
-of a batch's logits, each row with its own temperature and top-p).
+of a batch's logits, each row with its own temperature, top-p and seed).
 
 Greedy (temperature 0) rows take the argmax, so a greedy request gives the same tokens
 alone or in any batch, up to float rounding of the logits themselves.
+
+A sampled row draws by the Gumbel-max rule (the argmax of its scaled logits plus Gumbel
+noise, which is how ``mx.random.categorical`` draws). A row with a ``seed`` takes its
+noise from a key that depends only on the seed and the position of the token being
+drawn in its sequence (``row_key``), so a seeded request gives the same tokens alone or
+in any batch, whatever ran before it, and after a preemption (its tokens are not drawn
+again), again up to float rounding of its logits. Rows without a seed draw from MLX's
+global generator.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import mlx.core as mx
 from pagedkv.errors import InvalidTypeError, InvalidValueError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
+_MASK64 = (1 << 64) - 1
 
 
 def _max_tokens(_inst, _attr, value) -> None:
@@ -33,6 +42,15 @@ def _number(lo: float, hi: float, *, lo_open: bool = False):
             raise InvalidValueError(f"{attr.name} must be in {bound}{lo}, {hi}], got {value}")
 
     return check
+
+
+def _seed(_inst, _attr, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTypeError(f"seed must be an integer, got {value!r}")
+    if not -(1 << 63) <= value <= _MASK64:
+        raise InvalidValueError(f"seed must fit in 64 bits, got {value}")
 
 
 def _stop(value) -> tuple[str, ...]:
@@ -55,21 +73,38 @@ class SamplingParams:
     temperature: float = attrs.field(default=0.0, validator=_number(0.0, 2.0))
     top_p: float = attrs.field(default=1.0, validator=_number(0.0, 1.0, lo_open=True))
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop)
+    seed: int | None = attrs.field(default=None, validator=_seed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
 
-def sample_rows(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+def row_key(seed: int, position: int) -> mx.array:
+    """The random key of a seeded row drawing the token at ``position`` of its sequence
+    (its prompt's length for the first generated token): the two mixed by splitmix64, so
+    nearby seeds and positions give unrelated keys. O(1), no device work."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return mx.random.key(z ^ (z >> 31))
+
+
+def sample_rows(logits: mx.array, params: Sequence[SamplingParams],
+                positions: Sequence[int] | None = None) -> mx.array:
     """One token id per row of ``logits`` [B, V] (uint32 [B]), row b drawn per ``params[b]``.
 
     Greedy rows: argmax. Other rows: softmax(logits / temperature), restricted to the
     smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling).
+    ``positions[b]``: where in its sequence row b's token goes; needed (``InvalidValueError``
+    otherwise) when a sampled row has a seed, whose noise it keys (module doc).
     O(B·V), plus a sort of each sampled row when any row has top_p < 1."""
     greedy = mx.argmax(logits, axis=-1)
     if all(p.greedy for p in params):
         return greedy
+    seeded = [b for b, p in enumerate(params) if p.seed is not None and not p.greedy]
+    if seeded and (positions is None or len(positions) != len(params)):
+        raise InvalidValueError("rows with a seed need each row's position (positions, one per row)")
     temps = mx.array([p.temperature if not p.greedy else 1.0 for p in params], dtype=mx.float32)
     scaled = logits.astype(mx.float32) / temps[:, None]
     if any(p.top_p < 1.0 for p in params):
@@ -80,6 +115,14 @@ def sample_rows(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
         before = mx.cumsum(probs, axis=-1) - probs  # mass of the tokens ranked above
         sorted_logits = mx.where(before < top_p[:, None], sorted_logits, -mx.inf)
         scaled = mx.put_along_axis(scaled, order, sorted_logits, axis=-1)
-    drawn = mx.random.categorical(scaled)
+    if seeded:
+        vocab = scaled.shape[-1]
+        unseeded = any(p.seed is None and not p.greedy for p in params)
+        noise = mx.random.gumbel(scaled.shape) if unseeded else mx.zeros(scaled.shape)
+        noise[mx.array(seeded)] = mx.stack(
+            [mx.random.gumbel((vocab,), key=row_key(params[b].seed, positions[b])) for b in seeded])
+        drawn = mx.argmax(scaled + noise, axis=-1)
+    else:
+        drawn = mx.random.categorical(scaled)
     is_greedy = mx.array([p.greedy for p in params])
     return mx.where(is_greedy, greedy, drawn.astype(greedy.dtype))
