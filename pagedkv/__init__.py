@@ -34,6 +34,7 @@ from pagedkv.donor_cache import DonorCache, donor_caches
 from pagedkv.drafter import DrafterKv
 from pagedkv.errors import (
     CorruptKvFileError,
+    DiskTierInUseError,
     InvalidTypeError,
     InvalidValueError,
     KvDTypeError,
@@ -74,6 +75,7 @@ __all__ = [
     "CorruptKvFileError",
     "KvFileVersionError",
     "KvFileMismatchError",
+    "DiskTierInUseError",
     "PrefixStats",
     "can_admit",
     "pages_for",

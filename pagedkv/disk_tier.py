@@ -26,6 +26,13 @@ re-indexed from its file names (sizes and modification times; contents are check
 when read), so a restarted process hits the pages a previous one wrote. The directory
 is kept under ``max_bytes`` by deleting the least recently used files.
 
+One open tier per directory: the tier holds an exclusive lock on ``tier.lock`` (an
+``flock``, which the OS drops when the process ends, however it ends) from open to
+``close``. A second tier on the same directory, in this process or another, gets
+``DiskTierInUseError`` naming the holder's pid: it would delete the first one's temp
+files in flight, never see the files it writes, and keep only its own files under
+``max_bytes``. (No lock where the OS has no ``flock``.)
+
 Ownership: the tier owns its files and the host copies it has queued; it holds no pool
 pages. Threads: ``spill``/``restore`` run on the pool's owner thread; the writer
 thread only writes files and touches the index under a lock.
@@ -46,7 +53,13 @@ import attrs
 import numpy as np
 
 from pagedkv import safetensors_file
-from pagedkv.errors import InvalidValueError, KvFileError, KvFileMismatchError, check_int
+from pagedkv.errors import (
+    DiskTierInUseError,
+    InvalidValueError,
+    KvFileError,
+    KvFileMismatchError,
+    check_int,
+)
 from pagedkv.page_file import PageFileSpec, read_pages_file, write_pages_file
 from pagedkv.pool import PagePool
 
@@ -75,6 +88,32 @@ def _token_record(page_tokens: bytes) -> str:
     return json.dumps(np.frombuffer(page_tokens, dtype="<i8").tolist())
 
 
+def _lock_directory(directory: Path) -> int | None:
+    """An exclusive ``flock`` on ``directory/tier.lock``, recording this pid: the open file
+    descriptor, which holds it until closed. ``DiskTierInUseError`` naming the holder if
+    another open file holds it; None where the OS has no ``flock``."""
+    try:
+        import fcntl
+    except ImportError:  # (not on Windows)
+        return None
+    fd = os.open(directory / "tier.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DiskTierInUseError(f"{directory} is held by another open disk tier (pid {holder}); close it "
+                                 "first, or give this one another directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _unlock_directory(fd: int | None) -> None:
+    if fd is not None:
+        os.close(fd)  # (closing the last descriptor of the open file drops its flock)
+
+
 def root_digest(extra: bytes) -> bytes:
     return hashlib.blake2b(b"pagedkv.root\0" + extra, digest_size=_DIGEST).digest()
 
@@ -96,15 +135,22 @@ class DiskTierStats:
 class DiskTier:
     def __init__(self, directory: str | os.PathLike, pool: PagePool, *, max_bytes: int,
                  model_id: str = "", max_pending_bytes: int = 256 << 20) -> None:
-        """Open (or create) ``directory`` for ``pool``'s pages of model ``model_id``."""
+        """Open (or create) ``directory`` for ``pool``'s pages of model ``model_id``; it
+        stays this tier's alone until ``close`` (``DiskTierInUseError`` while another
+        tier has it open; ``KvFileMismatchError`` if it holds another model's pages)."""
         self.directory = Path(directory)
         self.pool = pool
         self.max_bytes = check_int("max_bytes", max_bytes, minimum=1)
         self.max_pending_bytes = check_int("max_pending_bytes", max_pending_bytes, minimum=0)
         self.spec = PageFileSpec(pool, model_id)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._check_directory()
-        safetensors_file.remove_stale_temps(self.directory)
+        self._lock_fd = _lock_directory(self.directory)
+        try:
+            self._check_directory()
+            safetensors_file.remove_stale_temps(self.directory)  # (no live writer: the lock is ours)
+        except BaseException:
+            _unlock_directory(self._lock_fd)
+            raise
         self._lock = threading.Lock()
         self._files: OrderedDict[str, int] = OrderedDict()  # digest hex -> size, LRU first
         self._pending: dict[str, tuple[dict, dict]] = {}  # queued, not yet on disk
@@ -220,10 +266,13 @@ class DiskTier:
         return self._idle.wait(timeout)
 
     def close(self) -> None:
-        """Write what is queued, then stop the writer."""
+        """Write what is queued, stop the writer and let the directory go (another tier
+        may open it from then on). Idempotent."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        fd, self._lock_fd = self._lock_fd, None
+        _unlock_directory(fd)
 
     # ------------------------------------------------------------------ writer thread
     def _write_loop(self) -> None:

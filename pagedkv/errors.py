@@ -17,7 +17,8 @@ Hierarchy (each also subclasses the closest built-in, so ``except ValueError`` w
     └── KvFileError (ValueError)           a KV file that cannot be used; nothing is loaded
         ├── CorruptKvFileError             truncated, bad header, checksum mismatch
         ├── KvFileVersionError             written by another format version
-        └── KvFileMismatchError            another model, page size, head_dim, dtype or codec
+        ├── KvFileMismatchError            another model, page size, head_dim, dtype or codec
+        └── DiskTierInUseError             a disk-tier directory another open tier holds
     PoolExhausted (allocators; MemoryError)
 """
 
@@ -39,6 +40,7 @@ __all__ = [
     "CorruptKvFileError",
     "KvFileVersionError",
     "KvFileMismatchError",
+    "DiskTierInUseError",
     "PoolExhausted",
 ]
 
@@ -95,6 +97,11 @@ class KvFileVersionError(KvFileError):
 
 class KvFileMismatchError(KvFileError):
     """A file written for another model or pool layout (page size, head_dim, dtype, codec)."""
+
+
+class DiskTierInUseError(KvFileError):
+    """A disk-tier directory that another open ``DiskTier`` holds (in this process or
+    another): two tiers in one directory would delete each other's files in flight."""
 
 
 def check_int(name: str, value: object, *, minimum: int | None = None,

@@ -1,7 +1,7 @@
 """The disk tier under ``PrefixCache``: evicted pages come back from disk with outputs
 equal to decoding alone, a restarted process hits them, a writer killed mid-write
 leaves only whole files, bad files are misses (deleted, counted), another model's
-directory is refused, and the byte budget holds. A sliding-window model's window pages
+directory and a directory another open tier holds are refused, and the byte budget holds. A sliding-window model's window pages
 go to disk and come back beside its full pages."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from tiny_models import make_pool as tiny_pool
 
 from pagedkv import PagePool, PrefixCache, kv_pool_layers, layout_for
 from pagedkv.disk_tier import SUFFIX, DiskTier, window_digest
-from pagedkv.errors import KvFileMismatchError
+from pagedkv.errors import DiskTierInUseError, KvFileMismatchError
 from pagedkv.generation import generate
 from pagedkv.page_file import read_pages_file
 
@@ -164,6 +164,22 @@ def test_another_models_directory_is_refused(model, tmp_path):
         DiskTier(tmp_path, other, max_bytes=1 << 20, model_id="model-a")
 
 
+def test_a_directory_is_one_open_tiers_until_it_closes_and_a_refused_open_keeps_nothing(tmp_path):
+    first = DiskTier(tmp_path, make_pool(), max_bytes=1 << 20, model_id="tiny")
+    temp = tmp_path / ".abc.kvpage.tmp-1"  # as if its writer were mid-write
+    temp.write_bytes(b"half a page")
+    with pytest.raises(DiskTierInUseError, match=f"pid {os.getpid()}"):
+        DiskTier(tmp_path, make_pool(), max_bytes=1 << 20, model_id="tiny")
+    assert temp.exists()  # the refused open deleted nothing
+    first.close()
+    first.close()  # (idempotent)
+    with pytest.raises(KvFileMismatchError):  # refused after taking the lock: it lets it go
+        DiskTier(tmp_path, make_pool(), max_bytes=1 << 20, model_id="another model")
+    second = DiskTier(tmp_path, make_pool(), max_bytes=1 << 20, model_id="tiny")
+    assert not temp.exists()  # no writer can own it now: a crash's leftover, deleted
+    second.close()
+
+
 def test_the_directory_stays_under_its_byte_budget(model, tmp_path):
     persisted(model, tmp_path)
     by_age = sorted(tmp_path.glob("*" + SUFFIX), key=lambda p: p.stat().st_mtime_ns)
@@ -207,6 +223,8 @@ def test_a_writer_killed_mid_write_leaves_only_whole_files_and_a_restart_hits(mo
                             cwd=Path(__file__).parents[1])
     assert proc.stdout.readline().strip() == "writing"
     time.sleep(1.5)
+    with pytest.raises(DiskTierInUseError, match=f"pid {proc.pid}"):  # it would delete the writer's temp files
+        DiskTier(tmp_path, make_pool(), max_bytes=1 << 30, model_id="tiny")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     pool = make_pool(num_pages=20)

@@ -433,3 +433,21 @@ def test_settings_that_cannot_serve_are_a_usage_error_not_a_traceback(args, says
     assert out.returncode == 2, out.stderr
     assert f"pagedkv serve: error: {says}" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_a_disk_tier_directory_another_tier_holds_is_a_usage_error(tmp_path):
+    import mlx.core as mx
+
+    from pagedkv import PagePool
+    from pagedkv.disk_tier import DiskTier
+
+    pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=4, dtype=mx.float32)
+    held = DiskTier(tmp_path, pool, max_bytes=1 << 20, model_id="another server")
+    try:
+        out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", "--model", MODEL,
+                              "--disk-tier", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    finally:
+        held.close()
+    assert out.returncode == 2, out.stderr
+    assert f"is held by another open disk tier (pid {os.getpid()})" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
