@@ -47,10 +47,11 @@ def test_kernel_writes_equal_scatter_writes_bit_for_bit(dtype, k_codec, v_head_d
 def test_a_pool_array_written_by_several_layers_in_one_step_keeps_its_buffer():
     """Six layers share one pool array (as a layer group does), each writing its own page
     and then attending over it, all in one graph: with the kernel no write copies the
-    array, however many kernels still read it (MLX's scatter copied it here)."""
+    array, however many kernels still read it (MLX's scatter copied it here). The kernel
+    is asked for: by default a pool takes it only once ``layout_for`` lays it out in groups."""
     d, hkv, ps, pages = 128, 8, 16, 2048  # a 64 MiB pool array per side
     pool = PagePool(num_layers=1, num_kv_heads=hkv, head_dim=d, page_size=ps, num_pages=pages,
-                    dtype=mx.float16, cache_limit=None)
+                    dtype=mx.float16, cache_limit=None, write_kernel=True)
     tables = [PageTable(pool) for _ in range(6)]
     caches = [PagedKVCache(t, 0) for t in tables]
     rng = np.random.default_rng(0)
