@@ -1,5 +1,6 @@
 """The serving engine without HTTP: continuous batching equals solo decoding on mlx-lm's
-own KVCache (with preemption and prefix hits), bad requests change nothing, aborts and
+own KVCache (with preemption and prefix hits; on quantised pages, solo decoding on the
+same pages), seeded sampling gives a request its tokens in any batch, bad requests change nothing, aborts and
 failing sinks free pages, a failing step ends only the requests in flight; and the
 pieces: ``TextStream`` (incremental text, stop strings) and ``sample_rows``."""
 
@@ -15,7 +16,14 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import CONFIGS, VOCAB, kv_dims, make_model, model_of_config, prompt_of
 
-from pagedkv import InvalidTypeError, InvalidValueError, PagePool
+from pagedkv import (
+    AffineQuant,
+    InvalidTypeError,
+    InvalidValueError,
+    PagePool,
+    make_paged_cache,
+    rotated,
+)
 from pagedkv.generation import generate
 from pagedkv.serving import (
     Delta,
@@ -96,6 +104,46 @@ def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(mode
         assert "".join(d.text for d in sink.deltas[rid]) == letters(solo(model, prompt, n))
     st = engine.pool.allocator.stats()
     assert st.in_use == 0 and engine.batch.size == 0
+    engine.pool.allocator.check()
+
+
+@pytest.mark.parametrize("codecs", ["affine8", "rotated4", "affine4 K, rotated3 V"])
+@pytest.mark.parametrize("compiled_decode", [False, True])
+def test_quantised_pages_batched_with_preemptions_equal_each_request_alone_on_the_same_pages(
+        model, codecs, compiled_decode):
+    """``pagedkv serve --kv-bits``'s pools in the engine: every request's greedy tokens
+    equal decoding it alone on a paged cache of the same codecs (the codecs' own loss is
+    bench/quant_quality.py's), with rows preempted and prefix hits, and every page back."""
+    L, H, D = kv_dims("llama")
+    k_codec, v_codec = {"affine8": (AffineQuant(8, 32), AffineQuant(8, 32)),
+                        "rotated4": (rotated(4, D, 32, seed=1), rotated(4, D, 32, seed=2)),
+                        "affine4 K, rotated3 V": (AffineQuant(4, 32), rotated(3, D, 32))}[codecs]
+
+    def pool(num_pages: int) -> PagePool:
+        return PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=4, num_pages=num_pages,
+                        dtype=mx.float32, k_codec=k_codec, v_codec=v_codec)
+
+    rng = random.Random(0)
+    shared = [rng.randrange(VOCAB) for _ in range(9)]
+    prompts = [(shared if i % 2 else []) + [rng.randrange(VOCAB) for _ in range(rng.randrange(3, 16))]
+               for i in range(10)]
+    lengths = [rng.randrange(10, 30) for _ in prompts]
+    alone = []
+    for prompt, n in zip(prompts, lengths):
+        with make_paged_cache(model, pool(40)) as cache:
+            alone.append(list(generate(model, cache, prompt, max_tokens=n)))
+    engine = Engine(model, pool(26), decode=letters, max_batch=8, compiled_decode=compiled_decode)
+    sink = Sink()
+    work = [GenerationRequest(f"r{i}", p, SamplingParams(max_tokens=n), sink)
+            for i, (p, n) in enumerate(zip(prompts, lengths))]
+    for w in work:
+        engine.add(w)
+    run(engine)
+    hits = engine.metrics.registry.get_sample_value("pagedkv:prefix_cache_hits_total", {"model_name": "pagedkv"})
+    assert sum(w.preemptions for w in work) > 0 and hits > 0
+    for i, ids in enumerate(alone):
+        assert sink.ids(f"r{i}") == ids, i
+    assert engine.pool.allocator.stats().in_use == 0
     engine.pool.allocator.check()
 
 
