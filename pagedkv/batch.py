@@ -74,11 +74,15 @@ class PagedBatch:
 
     @property
     def lengths(self) -> list[int]:
+        """Each row's tokens (``ReleasedError`` once released, not the zeros of
+        released tables)."""
+        self.rows.check_alive()
         return [t.num_tokens for t in self.rows.tables(0)]
 
     def tables(self, row: int | None = None):
         """The page tables of row ``row`` (one per attention kind), or with no row every
         row's full-attention table."""
+        self.rows.check_alive()
         if row is None:
             return self.rows.tables(0)
         return self.rows.row_tables(self._row(row))

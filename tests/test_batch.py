@@ -198,7 +198,12 @@ def test_batch_memory_is_the_sum_of_rows_not_b_times_the_longest():
         c.release()  # the last row's prompt cache: its table belongs to the batch now
     assert pages < len(lengths) * -(-max(lengths) // 16) / 2
     assert np.array_equal(batch.rows.offsets[0], lengths)
+    assert batch.lengths == lengths
     batch.release()
+    assert pool.allocator.num_in_use() == 0
+    for use in (lambda: batch.lengths, lambda: batch.tables(), lambda: batch.tables(0), batch.release):
+        with pytest.raises(ReleasedError):  # not the zero lengths of released tables
+            use()
 
 
 def test_a_row_and_its_fork_decoded_in_one_batch_copy_their_shared_page_and_match_alone():
