@@ -12,6 +12,7 @@ import threading
 
 import attrs
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import CONFIGS, VOCAB, kv_dims, make_model, model_of_config, prompt_of
@@ -35,6 +36,7 @@ from pagedkv.serving import (
     sample_rows,
 )
 from pagedkv.serving.engine_thread import EngineThread
+from pagedkv.serving.sampling import keyed_gumbel, row_key
 
 
 def letters(ids) -> str:
@@ -541,6 +543,16 @@ def test_a_seeded_row_draws_by_its_seed_and_position_alone_whatever_else_is_samp
     runs = {tuple(sample_rows(logits[:1], [attrs.evolve(seeded, seed=s)], [p]).item() for p in range(20))
             for s in range(6)}
     assert len(runs) == 6
+
+
+@pytest.mark.parametrize("keys", ["one seed, 64 positions", "64 seeds, one position"])
+def test_keyed_gumbel_noise_is_standard_gumbel_and_uncorrelated_between_keys_and_tokens(keys):
+    keys = [row_key(7, p) for p in range(64)] if keys.startswith("one") else [row_key(s, 5) for s in range(64)]
+    g = np.array(keyed_gumbel(keys, 4096))
+    assert abs(g.mean() - 0.5772) < 0.015 and abs(g.std() - np.pi / 6 ** 0.5) < 0.015  # (262,144 draws)
+    assert abs(np.corrcoef(g[:-1].ravel(), g[1:].ravel())[0, 1]) < 0.01  # neighbouring keys
+    assert abs(np.corrcoef(g[:, :-1].ravel(), g[:, 1:].ravel())[0, 1]) < 0.01  # neighbouring tokens
+    assert np.array_equal(g[3], np.array(keyed_gumbel([keys[3]], 4096))[0])  # a row is its key's alone
 
 
 @pytest.mark.parametrize("compiled_decode, overlap_decode", [(False, True), (False, False), (True, True)])

@@ -7,7 +7,8 @@ alone or in any batch, up to float rounding of the logits themselves.
 A sampled row draws by the Gumbel-max rule (the argmax of its scaled logits plus Gumbel
 noise, which is how ``mx.random.categorical`` draws). A row with a ``seed`` takes its
 noise from a key that depends only on the seed and the position of the token being
-drawn in its sequence (``row_key``), so a seeded request gives the same tokens alone or
+drawn in its sequence (``row_key``, ``keyed_gumbel``: a counter-based hash, one graph for
+all seeded rows), so a seeded request gives the same tokens alone or
 in any batch, whatever ran before it, and after a preemption (its tokens are not drawn
 again), again up to float rounding of its logits. Rows without a seed draw from MLX's
 global generator.
@@ -24,6 +25,7 @@ from pagedkv.errors import InvalidTypeError, InvalidValueError
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 _MASK64 = (1 << 64) - 1
+_MIX = (mx.array(0x7FEB352D, dtype=mx.uint32), mx.array(0x846CA68B, dtype=mx.uint32))
 
 
 def _max_tokens(_inst, _attr, value) -> None:
@@ -80,14 +82,35 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def row_key(seed: int, position: int) -> mx.array:
-    """The random key of a seeded row drawing the token at ``position`` of its sequence
+def row_key(seed: int, position: int) -> int:
+    """The 64-bit key of a seeded row drawing the token at ``position`` of its sequence
     (its prompt's length for the first generated token): the two mixed by splitmix64, so
     nearby seeds and positions give unrelated keys. O(1), no device work."""
     z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return mx.random.key(z ^ (z >> 31))
+    return z ^ (z >> 31)
+
+
+def _mix32(x: mx.array) -> mx.array:
+    """lowbias32 (Chris Wellons' integer hash) on uint32: a bijection in which every
+    output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = x * _MIX[0]
+    x = x ^ (x >> 15)
+    x = x * _MIX[1]
+    return x ^ (x >> 16)
+
+
+def keyed_gumbel(keys: Sequence[int], vocab: int) -> mx.array:
+    """Gumbel noise float32 [len(keys), vocab] whose row r depends on ``keys[r]`` (64-bit
+    ints) alone: token j's uniform is a hash of (key, j) (``_mix32`` twice) cut to 24 bits.
+    One graph of a few element-wise ops for all rows, whatever their number."""
+    lo = mx.array([k & 0xFFFFFFFF for k in keys], dtype=mx.uint32)[:, None]
+    hi = mx.array([k >> 32 for k in keys], dtype=mx.uint32)[:, None]
+    h = _mix32(_mix32(mx.arange(vocab, dtype=mx.uint32)[None, :] ^ lo) ^ hi)
+    u = ((h >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))  # in (0, 1)
+    return -mx.log(-mx.log(u))
 
 
 def sample_rows(logits: mx.array, params: Sequence[SamplingParams],
@@ -116,11 +139,12 @@ def sample_rows(logits: mx.array, params: Sequence[SamplingParams],
         sorted_logits = mx.where(before < top_p[:, None], sorted_logits, -mx.inf)
         scaled = mx.put_along_axis(scaled, order, sorted_logits, axis=-1)
     if seeded:
-        vocab = scaled.shape[-1]
-        unseeded = any(p.seed is None and not p.greedy for p in params)
-        noise = mx.random.gumbel(scaled.shape) if unseeded else mx.zeros(scaled.shape)
-        noise[mx.array(seeded)] = mx.stack(
-            [mx.random.gumbel((vocab,), key=row_key(params[b].seed, positions[b])) for b in seeded])
+        keyed = keyed_gumbel([row_key(params[b].seed, positions[b]) for b in seeded], scaled.shape[-1])
+        if len(seeded) == len(params):
+            noise = keyed
+        else:  # the other rows draw from the global generator
+            noise = mx.random.gumbel(scaled.shape)
+            noise[mx.array(seeded)] = keyed
         drawn = mx.argmax(scaled + noise, axis=-1)
     else:
         drawn = mx.random.categorical(scaled)
