@@ -11,8 +11,10 @@ from typing import Iterable, Iterator
 
 import attrs
 import mlx.core as mx
+import numpy as np
 
 from pagedkv.errors import InvalidValueError, check_int
+from pagedkv.model_config import check_token_ids, text_config
 
 
 @attrs.define
@@ -45,6 +47,8 @@ def written_state(cache) -> list[mx.array]:
 
 def prefill(model, cache, tokens: list[int], chunk: int = 512, *, prefix=None, keys=None) -> None:
     """Write ``tokens`` into ``cache`` in chunks of ``chunk`` tokens, computing no logits.
+    Ids that are not ints in the model's vocabulary raise ``InvalidValueError`` before
+    anything is written.
 
     With a ``PrefixCache`` ``prefix`` and the sequence's ``keys`` (its ``PrefixKeys`` or
     all its token ids), each chunk's full pages are registered after it, and on a hybrid
@@ -53,6 +57,7 @@ def prefill(model, cache, tokens: list[int], chunk: int = 512, *, prefix=None, k
     chunk = check_int("chunk", chunk, minimum=1)
     if prefix is not None and keys is None:
         raise InvalidValueError("prefill with a prefix cache needs the sequence's keys (or token ids)")
+    tokens = check_token_ids(_listed(tokens), text_config(model).get("vocab_size"))
     i = 0
     while i < len(tokens):
         take = min(chunk, len(tokens) - i)
@@ -63,6 +68,11 @@ def prefill(model, cache, tokens: list[int], chunk: int = 512, *, prefix=None, k
         if prefix is not None:
             prefix.register(cache, keys)
         i += take
+
+
+def _listed(tokens) -> list:
+    """Token ids given as a list, tuple, numpy array or mx.array, as a list."""
+    return tokens.tolist() if isinstance(tokens, (mx.array, np.ndarray)) else list(tokens)
 
 
 def sample(logits: mx.array, temperature: float) -> mx.array:
@@ -86,9 +96,10 @@ def generate(
     """Yield up to ``max_tokens`` new token ids (stopping after an EOS id).
 
     The prompt is prefilled in chunks of ``prefill_chunk`` tokens. ``stats`` (optional)
-    is filled in as the loop runs. Bad arguments raise a typed error before anything is
-    written to ``cache``.
+    is filled in as the loop runs. Bad arguments (token ids outside the model's
+    vocabulary included) raise a typed error before anything is written to ``cache``.
     """
+    prompt = check_token_ids(_listed(prompt), text_config(model).get("vocab_size"))
     if not prompt:
         raise InvalidValueError("prompt must hold at least one token")
     max_tokens = check_int("max_tokens", max_tokens, minimum=0)

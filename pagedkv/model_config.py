@@ -1,4 +1,5 @@
-"""``text_config``: the hyper-parameters of an mlx-lm model's language stack.
+"""``text_config``: the hyper-parameters of an mlx-lm model's language stack, and
+``check_token_ids``: token ids a model's embedding can take.
 
 mlx-lm's text-only models keep them on ``model.args`` (an attrs-like dataclass:
 ``vocab_size``, ``max_position_embeddings``, ``layer_types``...). Its multimodal
@@ -9,7 +10,11 @@ requests or plans layers reads them through this one function, so both kinds wor
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
+
+import numpy as np
+
+from pagedkv.errors import InvalidValueError
 
 
 def text_config(model: Any) -> dict:
@@ -21,3 +26,19 @@ def text_config(model: Any) -> dict:
     inner = getattr(args, "text_config", None)
     cfg = inner if inner else args
     return dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
+
+
+def check_token_ids(ids: Sequence[Any], vocab_size: int | None) -> list[int]:
+    """``ids`` as a list of Python ints, or ``InvalidValueError`` naming the first few bad
+    ones unless each is an integer (Python or numpy; not a bool) in [0, vocab_size) (any
+    id >= 0 where the vocabulary size is not known). An id past the embedding table is
+    not an error MLX reports: it reads past the table, and the model writes what it read
+    into the cache. O(len(ids))."""
+    out = [int(t) if isinstance(t, np.integer) else t for t in ids]
+    top = vocab_size if vocab_size else float("inf")
+    bad = [t for t in out if t.__class__ is not int or not 0 <= t < top]
+    if bad:
+        shown = bad[:4]
+        raise InvalidValueError(f"token ids must be ints in [0, {vocab_size or 'inf'}), got {shown}"
+                                + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""))
+    return out

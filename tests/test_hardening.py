@@ -387,11 +387,14 @@ def test_a_full_pool_at_a_new_step_leaves_an_unfinished_earlier_step_alone():
 
 @pytest.mark.parametrize("call", [
     "prefill chunk 0", "prefill chunk 2.0", "generate max_tokens -1", "generate prefill_chunk 0",
-    "generate empty prompt"])
+    "generate empty prompt", "generate id past the vocabulary", "generate negative id",
+    "prefill id past the vocabulary", "prefill float id", "prefill bool id"])
 def test_generate_and_prefill_refuse_bad_arguments_before_writing_anything(call):
-    """A chunk of 0 tokens (which would never advance), a negative token budget or an
-    empty prompt raise a typed error and the cache holds no token and no page."""
-    from tiny_models import make_model, make_pool
+    """A chunk of 0 tokens (which would never advance), a negative token budget, an
+    empty prompt or a token id the embedding does not have (MLX reads past the table
+    and the model writes what it read: it generated tokens from such prompts) raise a
+    typed error and the cache holds no token and no page."""
+    from tiny_models import VOCAB, make_model, make_pool
 
     from pagedkv import InvalidTypeError, InvalidValueError, make_paged_cache
     from pagedkv.generation import generate, prefill
@@ -403,6 +406,11 @@ def test_generate_and_prefill_refuse_bad_arguments_before_writing_anything(call)
         "generate max_tokens -1": lambda c: list(generate(model, c, [1, 2, 3], max_tokens=-1)),
         "generate prefill_chunk 0": lambda c: list(generate(model, c, [1, 2, 3], max_tokens=2, prefill_chunk=0)),
         "generate empty prompt": lambda c: list(generate(model, c, [], max_tokens=2)),
+        "generate id past the vocabulary": lambda c: list(generate(model, c, [1, 2, VOCAB], max_tokens=2)),
+        "generate negative id": lambda c: list(generate(model, c, [1, -3, 2], max_tokens=2)),
+        "prefill id past the vocabulary": lambda c: prefill(model, c, [1] * 9 + [VOCAB + 5], 4),
+        "prefill float id": lambda c: prefill(model, c, [1, 2.0, 3]),
+        "prefill bool id": lambda c: prefill(model, c, [True, 2, 3]),
     }
     with make_paged_cache(model, pool) as cache:
         with pytest.raises(InvalidTypeError if "2.0" in call else InvalidValueError):

@@ -74,7 +74,7 @@ from pagedkv.errors import (
 )
 from pagedkv.generation import prefill
 from pagedkv.kernels import paged_decode
-from pagedkv.model_config import text_config
+from pagedkv.model_config import check_token_ids, text_config
 from pagedkv.pool import PagePool
 from pagedkv.prefix import PrefixCache, prefix_cache_serves
 from pagedkv.prefix_keys import PrefixKeys
@@ -126,9 +126,9 @@ class EngineLimits:
 
     def check_tokens(self, ids: list[int]) -> None:
         """``InvalidValueError`` unless every id is an int in [0, vocab_size)."""
-        bad = [t for t in ids if t.__class__ is not int or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidValueError(f"token ids must be ints in [0, {self.vocab_size}), got {bad[:4]}")
+        if any(t.__class__ is not int for t in ids):  # (a request's ids are JSON ints, no numpy)
+            raise InvalidValueError(f"token ids must be ints, got {[t for t in ids if t.__class__ is not int][:4]}")
+        check_token_ids(ids, self.vocab_size)
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         """``RequestTooLarge`` unless ``prompt_tokens + max_tokens`` can ever be served."""
