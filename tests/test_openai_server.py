@@ -264,6 +264,9 @@ def test_a_request_that_can_never_fit_gets_a_400_before_any_prefill(client, serv
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": "7"}).encode(), 400, "seed"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": 1 << 64}).encode(), 400, "seed"),
     (b"[" * 100_000 + b"]" * 100_000, 400, None),  # nested past Python's recursion limit
+    # lone surrogates (valid JSON escapes, not Unicode): the tokenizer raised, a 500
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "\ud800 hi"}]}).encode(), 400, "messages"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": ["\udfff"]}).encode(), 400, "stop"),
 ])
 def test_malformed_and_bad_requests_get_typed_json_errors_and_the_server_keeps_serving(server, client, body, status, param):
     import httpx
@@ -302,8 +305,9 @@ def test_a_seeded_request_gets_the_same_answer_alone_and_among_concurrent_sample
 def test_bad_completion_prompts_and_routes_are_refused(server):
     import httpx
 
-    for prompt in ([], [1.5], ["a", "b"], [10**9], 5):
-        r = httpx.post(server + "/v1/completions", json={"model": MODEL, "prompt": prompt})
+    for prompt in ([], [1.5], ["a", "b"], [10**9], 5, "\udfff", ["\ud800"]):  # (lone surrogates: \u escapes)
+        r = httpx.post(server + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": prompt}),
+                       headers={"content-type": "application/json"})
         assert r.status_code == 400, prompt
         assert r.json()["error"]["param"] == "prompt"
     assert httpx.get(server + "/v1/nothing").status_code == 404

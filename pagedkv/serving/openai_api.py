@@ -61,6 +61,16 @@ def _bad(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def _text(value: str, what: str, param: str) -> str:
+    """``value``, or a 400 if it is not valid Unicode: JSON's ``\\ud800`` escapes decode
+    to lone surrogates, which no tokenizer (or UTF-8) can take."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise _bad(f"{what} is not valid Unicode: {e.reason} at {e.start}", param) from None
+    return value
+
+
 def _get(body: dict, name: str, kinds: tuple, default: Any = None) -> Any:
     value = body.get(name, default)
     if value is None:
@@ -108,6 +118,9 @@ def _common(body: dict, kind: str, served: str) -> dict:
     temperature = _get(body, "temperature", (int, float), 1.0)
     top_p = _get(body, "top_p", (int, float), 1.0)
     stop = body.get("stop")
+    for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
+        if isinstance(text, str):  # (SamplingParams checks the types below)
+            _text(text, "a stop string", "stop")
     seed = _get(body, "seed", (int,))
     try:  # the same checks the engine makes, answered as 400s naming the parameter
         checked = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1,
@@ -138,7 +151,8 @@ def _message(i: int, m: object) -> dict:
         content = "".join(parts)
     if not isinstance(content, str):
         raise _bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-    return {"role": "system" if role == "developer" else role, "content": content}
+    return {"role": "system" if role == "developer" else role,
+            "content": _text(content, f"messages[{i}].content", "messages")}
 
 
 def parse_chat(body: object, served: str) -> ApiRequest:
@@ -161,6 +175,8 @@ def parse_completion(body: object, served: str) -> ApiRequest:
                        "token ids (one prompt per request)", "prompt")
     elif not isinstance(prompt, str) or not prompt:
         raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
+    else:
+        _text(prompt, "'prompt'", "prompt")
     return ApiRequest(kind="completion", messages=None, prompt=prompt, **common)
 
 
