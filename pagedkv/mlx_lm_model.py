@@ -28,14 +28,18 @@ def is_mlx_lm_dir(path: str | os.PathLike) -> bool:
 
 def load_mlx_lm(path: str | os.PathLike) -> LoadedModel:
     """The model in directory ``path``, named after the directory. ``InvalidValueError``
-    when it is not an mlx-lm model directory; ``NotSupportedError`` when its tokenizer has
+    when it is not an mlx-lm model directory or mlx-lm cannot load it (no weights, a
+    broken ``config.json``, a family mlx-lm lacks); ``NotSupportedError`` when its tokenizer has
     no fast (``tokenizers``) form or the model has no attention layers."""
     from mlx_lm import load
 
     path = Path(path)
     if not is_mlx_lm_dir(path):
         raise InvalidValueError(f"{path} is not an mlx-lm model directory (no config.json)")
-    model, wrapper = load(str(path))  # (the wrapper hands other attributes on to the Hugging Face tokenizer)
+    try:  # (the wrapper hands other attributes on to the Hugging Face tokenizer)
+        model, wrapper = load(str(path))
+    except (OSError, ValueError, KeyError, TypeError) as e:  # no weights, bad config.json, unknown family
+        raise InvalidValueError(f"cannot load {path} with mlx-lm: {type(e).__name__}: {e}") from None
     backend = getattr(wrapper, "backend_tokenizer", None)
     if backend is None:
         raise NotSupportedError(f"{path}: the tokenizer has no fast (tokenizers) form")

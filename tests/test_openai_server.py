@@ -439,17 +439,27 @@ def test_settings_that_cannot_serve_are_a_usage_error_not_a_traceback(args, says
     assert "Traceback" not in out.stderr + out.stdout
 
 
-@pytest.mark.parametrize("content", ["not GGUF", "truncated"])
-def test_a_gguf_file_that_cannot_be_read_is_a_usage_error(tmp_path, content):
+@pytest.mark.parametrize("model", ["not GGUF", "truncated GGUF", "directory without weights",
+                                   "directory with a broken config.json"])
+def test_a_model_that_cannot_be_read_is_a_usage_error(tmp_path, model):
     from pagedkv.gguf_model import smollm2_path
 
-    path = tmp_path / "model.gguf"
-    with open(smollm2_path(), "rb") as whole:  # truncated: as an interrupted download leaves it
-        path.write_bytes(b"GGUF" + b"\0" * 60 if content == "not GGUF" else whole.read(5 << 20))
+    path = tmp_path / ("model.gguf" if "GGUF" in model else "model")
+    if model == "not GGUF":
+        path.write_bytes(b"GGUF" + b"\0" * 60)
+        says = f"cannot read {path} as a GGUF model"
+    elif model == "truncated GGUF":  # as an interrupted download leaves it
+        with open(smollm2_path(), "rb") as whole:
+            path.write_bytes(whole.read(5 << 20))
+        says = f"cannot read {path} as a GGUF model"
+    else:
+        path.mkdir()
+        (path / "config.json").write_text('{"model_type": "llama"}' if "weights" in model else "{not json")
+        says = f"cannot load {path} with mlx-lm"
     out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", "--model", str(path)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert f"pagedkv serve: error: cannot read {path} as a GGUF model" in out.stderr
+    assert f"pagedkv serve: error: {says}" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
 
 
