@@ -57,7 +57,7 @@ def prefill(model, cache, tokens: list[int], chunk: int = 512, *, prefix=None, k
     chunk = check_int("chunk", chunk, minimum=1)
     if prefix is not None and keys is None:
         raise InvalidValueError("prefill with a prefix cache needs the sequence's keys (or token ids)")
-    tokens = check_token_ids(_listed(tokens), text_config(model).get("vocab_size"))
+    tokens = _token_ids(model, tokens)
     i = 0
     while i < len(tokens):
         take = min(chunk, len(tokens) - i)
@@ -70,9 +70,11 @@ def prefill(model, cache, tokens: list[int], chunk: int = 512, *, prefix=None, k
         i += take
 
 
-def _listed(tokens) -> list:
-    """Token ids given as a list, tuple, numpy array or mx.array, as a list."""
-    return tokens.tolist() if isinstance(tokens, (mx.array, np.ndarray)) else list(tokens)
+def _token_ids(model, tokens) -> list[int]:
+    """Token ids given as a list, tuple, numpy array or mx.array, as a list of ints that
+    ``model``'s embedding has (``check_token_ids``)."""
+    listed = tokens.tolist() if isinstance(tokens, (mx.array, np.ndarray)) else list(tokens)
+    return check_token_ids(listed, text_config(model).get("vocab_size"))
 
 
 def sample(logits: mx.array, temperature: float) -> mx.array:
@@ -99,7 +101,7 @@ def generate(
     is filled in as the loop runs. Bad arguments (token ids outside the model's
     vocabulary included) raise a typed error before anything is written to ``cache``.
     """
-    prompt = check_token_ids(_listed(prompt), text_config(model).get("vocab_size"))
+    prompt = _token_ids(model, prompt)
     if not prompt:
         raise InvalidValueError("prompt must hold at least one token")
     max_tokens = check_int("max_tokens", max_tokens, minimum=0)

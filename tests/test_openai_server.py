@@ -432,11 +432,17 @@ def test_smollm2_answers_over_http_as_it_does_alone():
     (["--model", "/no/such/model.gguf"], "--model '/no/such/model.gguf' is not smollm2, tiny-random"),
     (["--model", "README.md"], "--model 'README.md' is not smollm2")])
 def test_settings_that_cannot_serve_are_a_usage_error_not_a_traceback(args, says):
+    assert f"pagedkv serve: error: {says}" in usage_error_of(*args)
+
+
+def usage_error_of(*args: str) -> str:
+    """What ``pagedkv serve ARGS`` printed to stderr, checking that it was a usage error
+    (exit 2), not a traceback."""
     out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", *args],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
-    assert f"pagedkv serve: error: {says}" in out.stderr
     assert "Traceback" not in out.stderr + out.stdout
+    return out.stderr
 
 
 @pytest.mark.parametrize("model", ["not GGUF", "truncated GGUF", "directory without weights",
@@ -456,11 +462,7 @@ def test_a_model_that_cannot_be_read_is_a_usage_error(tmp_path, model):
         path.mkdir()
         (path / "config.json").write_text('{"model_type": "llama"}' if "weights" in model else "{not json")
         says = f"cannot load {path} with mlx-lm"
-    out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", "--model", str(path)],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stderr
-    assert f"pagedkv serve: error: {says}" in out.stderr
-    assert "Traceback" not in out.stderr + out.stdout
+    assert f"pagedkv serve: error: {says}" in usage_error_of("--model", str(path))
 
 
 def test_a_disk_tier_directory_another_tier_holds_is_a_usage_error(tmp_path):
@@ -472,10 +474,7 @@ def test_a_disk_tier_directory_another_tier_holds_is_a_usage_error(tmp_path):
     pool = PagePool(num_layers=1, num_kv_heads=1, head_dim=8, page_size=4, num_pages=4, dtype=mx.float32)
     held = DiskTier(tmp_path, pool, max_bytes=1 << 20, model_id="another server")
     try:
-        out = subprocess.run([sys.executable, "-m", "pagedkv.cli", "serve", "--port", "0", "--model", MODEL,
-                              "--disk-tier", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        stderr = usage_error_of("--model", MODEL, "--disk-tier", str(tmp_path))
     finally:
         held.close()
-    assert out.returncode == 2, out.stderr
-    assert f"is held by another open disk tier (pid {os.getpid()})" in out.stderr
-    assert "Traceback" not in out.stderr + out.stdout
+    assert f"is held by another open disk tier (pid {os.getpid()})" in stderr

@@ -126,8 +126,9 @@ class EngineLimits:
 
     def check_tokens(self, ids: list[int]) -> None:
         """``InvalidValueError`` unless every id is an int in [0, vocab_size)."""
-        if any(t.__class__ is not int for t in ids):  # (a request's ids are JSON ints, no numpy)
-            raise InvalidValueError(f"token ids must be ints, got {[t for t in ids if t.__class__ is not int][:4]}")
+        not_int = [t for t in ids if t.__class__ is not int]  # (a request's ids are JSON ints, no numpy)
+        if not_int:
+            raise InvalidValueError(f"token ids must be ints, got {not_int[:4]}")
         check_token_ids(ids, self.vocab_size)
 
     def check(self, prompt_tokens: int, max_tokens: int) -> None:

@@ -118,9 +118,6 @@ def _common(body: dict, kind: str, served: str) -> dict:
     temperature = _get(body, "temperature", (int, float), 1.0)
     top_p = _get(body, "top_p", (int, float), 1.0)
     stop = body.get("stop")
-    for text in [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []:
-        if isinstance(text, str):  # (SamplingParams checks the types below)
-            _text(text, "a stop string", "stop")
     seed = _get(body, "seed", (int,))
     try:  # the same checks the engine makes, answered as 400s naming the parameter
         checked = SamplingParams(max_tokens=max_tokens if max_tokens is not None else 1,
@@ -130,6 +127,8 @@ def _common(body: dict, kind: str, served: str) -> dict:
         param = next((p for p in ("max_tokens", "temperature", "top_p", "stop", "seed") if text.startswith(p)),
                      None)
         raise _bad(text.replace("max_tokens", limit, 1) if param == "max_tokens" else text, param) from None
+    for text in checked.stop:  # (a list of strings by now)
+        _text(text, "a stop string", "stop")
     return dict(model=model, max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
                 stop=checked.stop, stream=stream, seed=seed,
                 include_usage=bool(stream and _get(options, "include_usage", (bool,), False)))
