@@ -209,6 +209,17 @@ class PagePool:
         """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
         return self._head_base + pages[None, :]
 
+    def page_slices(self, page: int, slot: int, count: int) -> tuple[slice, slice] | None:
+        """Where tokens [slot, slot + count) of page ``page`` lie in a layer array (one
+        row's tokens within one page), as slices for ``write_checked``: every head's row
+        of the page (``page``, ``page + P``, ...; P = num_pages) and the slots. A write
+        through slices is a strided slice update, which needs no index arrays and takes
+        less host time than a scatter (about 2.4 against 5.8 us per array on a CPU).
+        None where the pool writes with its kernel, which takes index arrays. O(1)."""
+        if self.write_kernel:
+            return None
+        return slice(page, None, self.num_pages), slice(slot, slot + count)
+
     def device_rows(self, pages: mx.array) -> mx.array:
         """``array_rows`` on the device: int32 [B, kv_heads, n] rows of ``pages`` (int32
         [B, n]) in a layer array. Lazy: inside a compiled step it is part of the trace."""
@@ -247,9 +258,11 @@ class PagePool:
         self._kv_seen[(keys.shape, values.shape, rows)] = keys.shape[-2]
         return keys.shape[-2]
 
-    def write(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+    def write(self, layer: int, rows: mx.array | slice, slots: mx.array | slice, keys: mx.array,
+              values: mx.array) -> None:
         """Write tokens into ``layer``: ``keys`` [kv_heads, T, D] go to (rows, slots),
-        int index arrays of ``keys``' leading shape [kv_heads, T] (or broadcasting to it).
+        int index arrays of ``keys``' leading shape [kv_heads, T] (or broadcasting to it),
+        or the slices ``page_slices`` gives.
 
         The single write path of pagedkv. In place (buffer donation) unless a caller
         keeps a pending read of this layer, which is evaluated first.
@@ -258,16 +271,18 @@ class PagePool:
         self.check_kv(keys, values)
         self.write_checked(layer, rows, slots, keys, values)
 
-    def write_checked(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array,
+    def write_checked(self, layer: int, rows: mx.array | slice, slots: mx.array | slice, keys: mx.array,
                       values: mx.array) -> None:
         """``write`` for a caller that has validated ``layer`` and ``keys``/``values``
         (``check_kv``) itself: the row set, once per layer of a step. ``keys`` may have
         any leading shape that ``rows`` and ``slots`` share (the row set's: [B, kv_heads,
-        T]); element (..., d) goes to layer row ``rows[...]``, slot ``slots[...]``."""
+        T]); element (..., d) goes to layer row ``rows[...]``, slot ``slots[...]``. Or
+        ``rows`` and ``slots`` are ``page_slices``: keys [1, kv_heads, T, D] of one row."""
         self._writes.before_write(layer)  # (in place: see the module doc)
         self.scatter(layer, rows, slots, keys, values)
 
-    def scatter(self, layer: int, rows: mx.array, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+    def scatter(self, layer: int, rows: mx.array | slice, slots: mx.array | slice, keys: mx.array,
+                values: mx.array) -> None:
         """The scatter of ``write_checked`` without settling the layer's pending reads
         first: for a compiled step (:mod:`pagedkv.compiled_decode`), which settles every
         layer (``settle_reads``) before it runs and may not evaluate inside."""

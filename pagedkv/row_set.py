@@ -642,13 +642,14 @@ class RowSet:
         self._writers = 0
 
     # ------------------------------------------------------------------ indices
-    def write_index(self, spec: int, start: np.ndarray, count: int) -> tuple[mx.array, mx.array]:
+    def write_index(self, spec: int, start: np.ndarray, count: int) -> tuple:
         """(pool array rows, slots) of tokens [start, start + count) of every row of
         ``spec``'s tables, int32 [B, kv_heads, count] (slots of a one-token step [B, 1, 1],
         which broadcasts over the heads): they index a layer array with
         the step's keys/values [B, kv_heads, count, D] as the model makes them, so no
-        layer transposes or copies them first. Memoised until the rows or their pages
-        change."""
+        layer transposes or copies them first. One row whose tokens lie in one page (a
+        sequence's decode step) gets the pool's ``page_slices`` instead, where it gives
+        them. Memoised until the rows or their pages change."""
         key = ("w", spec, start.tobytes(), count)
         hit = self._memo.get(key)
         if hit is not None:
@@ -657,6 +658,12 @@ class RowSet:
         ps, h = pool.page_size, pool.num_kv_heads
         tables = self._tables[spec]
         b = len(tables)
+        if b == 1 and start[0] % ps + count <= ps:
+            at = int(start[0])
+            hit = pool.page_slices(tables[0].page_at(at // ps), at % ps, count)
+            if hit is not None:
+                self._memo[key] = hit
+                return hit
         if count == 1:  # a decode step: one page per row, looked up without arrays
             pages = np.fromiter(map(PageTable.page_at, tables, (start // ps).tolist()), np.int64, b)
             rows = pool.array_rows(pages).T[:, :, None]

@@ -23,9 +23,10 @@ def test_one_decode_step_builds_its_read_and_write_indices_once_for_every_layer(
     real_of = PageRead.of.__func__
     monkeypatch.setattr(PageRead, "of", classmethod(lambda cls, *a, **kw: (built.__setitem__("read", built["read"] + 1),
                                                                             real_of(cls, *a, **kw))[1]))
-    real_rows = pool.array_rows
-    monkeypatch.setattr(pool, "array_rows", lambda p: (built.__setitem__("write", built["write"] + 1),
-                                                       real_rows(p))[1])
+    for index in ("array_rows", "page_slices"):  # (a one-row step's write index is the second)
+        real = getattr(pool, index)
+        monkeypatch.setattr(pool, index, lambda *a, real=real: (built.__setitem__("write", built["write"] + 1),
+                                                                real(*a))[1])
     with make_paged_cache(model, pool) as cache:
         model(mx.array([prompt_of(20)]), cache=cache)
         built.update(read=0, write=0)
