@@ -122,6 +122,17 @@ class LayerLayout:
             if not 0 <= layer < pool.num_layers:
                 raise InvalidValueError(f"pool has {pool.num_layers} layers; the model needs more")
 
+    @functools.cached_property
+    def append_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The table specs that differ only in their group of layers (same pool, window
+        and rewind), in spec order: a step appends to all their tables as one
+        ``BatchAppend`` (a Gemma-3-style model in layer groups: one for its full layers,
+        one for all its sliding groups, instead of one per group)."""
+        groups: dict[tuple, list[int]] = {}
+        for s, spec in enumerate(self.specs):
+            groups.setdefault((id(spec.pool), spec.window, spec.rewind), []).append(s)
+        return tuple(tuple(g) for g in groups.values())
+
     @classmethod
     def uniform(cls, pool: PagePool, layers: Sequence[int], window: int | None = None,
                 rewind: int = 0) -> LayerLayout:
@@ -564,19 +575,25 @@ class RowSet:
         if growing is None:  # the specs whose tables end at ``start`` (the caller may know)
             growing = [s for s, ts in enumerate(self._tables)
                        if all(t.num_tokens == p for t, p in zip(ts, start.tolist()))]
-        # per spec: one vectorised append for all its tables (the decode step, a window's
-        # drops included), or a plan per table where a page must be copied first
+        # per append group (``LayerLayout.append_groups``): one vectorised append for all
+        # its growing specs' tables (the decode step, a window's drops included), or a
+        # plan per table where a page must be copied first
         plans: list = []
         needs: list[tuple[PagePool, int]] = []
-        for s in growing:
-            batch = BatchAppend.plan(self._tables[s], count, tokens=start,
-                                     supply=None if supply is None else supply[s],
-                                     vouched=vouched)
+        for group in self.layout.append_groups:
+            specs = group if len(growing) == len(self._tables) else [s for s in group if s in growing]
+            if not specs:
+                continue
+            tables = self._tables[specs[0]] if len(specs) == 1 else [t for s in specs for t in self._tables[s]]
+            batch = BatchAppend.plan(
+                tables, count, tokens=start if len(specs) == 1 else np.concatenate((start,) * len(specs)),
+                supply=None if supply is None else np.concatenate([supply[s] for s in specs]),
+                vouched=vouched)
             if batch is not None:
                 plans.append(batch)
                 needs.append((batch.pool, batch.num_new_pages))
                 continue
-            for t in self._tables[s]:
+            for t in tables:
                 plan = t.plan_write(t.num_tokens, count)
                 plans.append((t, plan))
                 needs.append((t.pool, plan[0] + plan[1].size))

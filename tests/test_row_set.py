@@ -88,6 +88,44 @@ def test_a_batch_layer_with_bad_input_rolls_the_whole_step_back():
     assert pool.allocator.num_in_use() == 0
 
 
+def test_a_step_appends_to_all_groups_of_a_window_as_one_batch_and_rolls_back_whole(monkeypatch):
+    """A model laid out in layer groups (gemma3 on a one-layer pool: two sliding, two
+    full groups) has a table per group; a step plans one append per window kind, not
+    per group. A pool too short for the step raises before anything changes, in every
+    group."""
+    from pagedkv import PoolExhausted
+    from pagedkv.table import BatchAppend
+
+    model = make_model("gemma3_text")
+    pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=16, page_size=4, num_pages=64,
+                    dtype=mx.float32)
+    batch = PagedBatch.for_model(model, pool)
+    for p in (prompt_of(8, seed=1), prompt_of(6, seed=2)):  # row 0 ends on a page boundary
+        c = make_paged_cache(model, pool)
+        model(mx.array(p)[None], cache=c)
+        batch.extend(c)
+    layout = batch.rows.layout
+    assert len(layout.specs) == 4 and len(layout.append_groups) == 2
+    plans = []
+    real_plan = BatchAppend.plan.__func__
+    monkeypatch.setattr(BatchAppend, "plan", classmethod(lambda cls, tables, *a, **kw: (
+        plans.append(len(tables)), real_plan(cls, tables, *a, **kw))[1]))
+    mx.eval(model(mx.array([[5], [6]]), cache=batch.caches))
+    assert plans == [4, 4]  # (2 groups x 2 rows, per window kind)
+    assert [t.num_tokens for t in batch.rows.all_tables()] == [9, 7] * 4
+    for _ in range(3):  # rows at 12 and 10 tokens: row 0's next token needs a new page in every group
+        mx.eval(model(mx.array([[5], [6]]), cache=batch.caches))
+    held = pool.allocator.allocate(pool.allocator.num_available())
+    before = (pool.allocator.stats(), batch.rows.offsets.copy(), [t.pages.tolist() for t in batch.rows.all_tables()])
+    with pytest.raises(PoolExhausted, match="requested 4 pages"):
+        model(mx.array([[5], [6]]), cache=batch.caches)
+    after = (pool.allocator.stats(), batch.rows.offsets, [t.pages.tolist() for t in batch.rows.all_tables()])
+    assert after[0] == before[0] and np.array_equal(after[1], before[1]) and after[2] == before[2]
+    pool.allocator.decref(held)
+    batch.release()
+    assert pool.allocator.num_in_use() == 0
+
+
 @pytest.mark.parametrize("window", [None, 1, 3, 7])
 def test_key_mask_matches_the_definition_of_visibility(window):
     rng = np.random.default_rng(0)
