@@ -115,8 +115,19 @@ class PageRead:
         already gathered them. ``sinks``: [n_heads] attention-sink logits (gpt_oss), or
         None; the kernels apply them in their merge. ``borrow``: the caller evaluates
         the result before the layer's next write (a model's step), so the keys may be
-        ``borrowed`` views instead of ``parts``."""
+        ``borrowed`` views instead of ``parts``; False with ``parts``: they are such views.
+
+        One query of one row that has views of the pool (``borrowed``) goes to MLX's own
+        attention over them even where the decode kernel could run: on CUDA that is one
+        fused kernel (``paged_decode.MLX_VECTOR_HEAD_DIMS``), the one mlx-lm's own cache
+        runs, and it takes less host time to build than the paged kernel's two launches,
+        which is what bounds a one-sequence step (bench/RESULTS.md)."""
         pool = self.pool
+        views = None
+        if kernel and pool.kind.decode_kernel and exact and self.num_rows == 1 and q.shape[2] == 1 \
+                and q.shape[3] in paged_decode.MLX_VECTOR_HEAD_DIMS and not isinstance(mask, mx.array):
+            views = self.borrowed(layer, exact) if borrow else parts
+            kernel = views is None
         if kernel and pool.kind.decode_kernel:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
                 return paged_decode.paged_decode(
@@ -128,7 +139,8 @@ class PageRead:
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
                     scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window, sinks=sinks,
                     after=pool.write_order(layer))
-        views = self.borrowed(layer, exact) if borrow else None
+        if views is None and borrow:
+            views = self.borrowed(layer, exact)
         k_parts, v_parts = views or parts or self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind, sinks)
 

@@ -119,9 +119,11 @@ def test_window_start_skips_early_tokens():
     assert rel(got, want) < TOL[mx.float16]
 
 
-def test_the_models_own_decode_step_and_the_batch_run_on_the_kernel(monkeypatch):
-    """route_attention sends mlx-lm's attention to the pages: a single cache's and a
-    batch's decode steps call the kernel and give mlx-lm's greedy tokens."""
+@pytest.mark.parametrize("one_row", ["mlx attention", "kernel"])
+def test_the_models_own_decode_step_and_the_batch_read_the_pages(monkeypatch, one_row):
+    """route_attention sends mlx-lm's attention to the pages: a single cache's decode
+    steps run MLX's attention over lent views of the pool (or, made to, the kernel), a
+    batch's call the kernel, and all give mlx-lm's greedy tokens."""
     from mlx_lm.models.cache import make_prompt_cache
     from tiny_models import greedy, make_model, make_pool, prompt_of
 
@@ -132,6 +134,8 @@ def test_the_models_own_decode_step_and_the_batch_run_on_the_kernel(monkeypatch)
     calls = []
     real = paged_decode.paged_decode
     monkeypatch.setattr(paged_decode, "paged_decode", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    if one_row == "kernel":
+        monkeypatch.setattr(paged_decode, "MLX_VECTOR_HEAD_DIMS", ())
     prompts = [prompt_of(40, seed=1), prompt_of(75, seed=2)]
     pool = make_pool("llama", page_size=16, num_pages=64, dtype=mx.float16)
     batch = PagedBatch.for_model(model, pool)
@@ -143,7 +147,10 @@ def test_the_models_own_decode_step_and_the_batch_run_on_the_kernel(monkeypatch)
         c = make_paged_cache(model, pool)
         model(mx.array(p)[None], cache=c)
         batch.extend(c)
-    assert len(calls) >= 2 * 7 * len(model.layers)
+    if one_row == "kernel":
+        assert len(calls) >= 2 * 7 * len(model.layers)
+    else:
+        assert calls == []
     calls.clear()
     logits = model(mx.array([[1], [2]]), cache=batch.caches)
     mx.eval(logits)
@@ -341,9 +348,10 @@ def test_a_compiled_decode_step_runs_the_kernel_and_gives_the_eager_logits(monke
 
 
 def test_gpt_oss_decode_steps_read_the_pages_through_the_kernel_with_their_attention_sinks(monkeypatch):
-    """gpt_oss's attention has sinks. On fp16 pages its decode steps (one cache, and a
-    compiled step over a batch) call the decode kernel, which applies the sinks, and
-    give mlx-lm's logits (its own caches: rotating ones on the sliding layers)."""
+    """gpt_oss's attention has sinks. On fp16 pages its decode steps (one cache made to
+    take the kernel, and a compiled step over a batch) call the decode kernel, which
+    applies the sinks, and give mlx-lm's logits (its own caches: rotating ones on the
+    sliding layers)."""
     from mlx_lm.models.cache import make_prompt_cache
     from test_model_families import BASE, FAMILIES, ragged_rows
     from tiny_models import model_of_config, prompt_of
@@ -358,6 +366,7 @@ def test_gpt_oss_decode_steps_read_the_pages_through_the_kernel_with_their_atten
     calls = []
     real = paged_decode.paged_decode
     monkeypatch.setattr(paged_decode, "paged_decode", lambda *a, **k: (calls.append(k.get("sinks")), real(*a, **k))[1])
+    monkeypatch.setattr(paged_decode, "MLX_VECTOR_HEAD_DIMS", ())  # (one row: else MLX's attention)
     pool = PagePool(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, num_pages=64, dtype=mx.float16)
     prompt, steps = prompt_of(30), [int(t) for t in prompt_of(10, seed=5)]
     ref_cache = make_prompt_cache(model)

@@ -289,6 +289,43 @@ def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pa
     return mx.concatenate(out)
 
 
+def test_one_sequence_decodes_with_mlx_attention_over_lent_views_where_the_kernel_could_run(monkeypatch):
+    """Where the decode kernel could run, a one-sequence step whose pages are one run
+    attends with MLX's own attention over views of the pool (no gather, no kernel); a
+    sequence whose pages are not one run takes the kernel. Both give mlx-lm's tokens."""
+    import attrs
+
+    calls = []
+    monkeypatch.setattr(paged_decode, "fits", lambda q, *a: q.shape[2] == 1)  # not the GPU check
+    monkeypatch.setattr(paged_decode, "paged_decode",
+                        lambda *a, **k: (calls.append(a[3].shape), reference_kernel(*a, **k))[1])
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=8)
+    pool.kind = attrs.evolve(pool.kind, decode_kernel=True)
+    p = prompt_of(13, seed=1)
+    want = greedy(model, p, make_prompt_cache(model), 6)[0]
+    gathers = []
+    real_gather = pool.gather
+    monkeypatch.setattr(pool, "gather", lambda *a, **k: (gathers.append(1), real_gather(*a, **k))[1])
+    with make_paged_cache(model, pool) as solo:
+        tokens, _ = greedy(model, p, solo, 6)
+        pages = solo[0].rows.tables(0)[0].pages.tolist()
+        assert pages == list(range(pages[0], pages[0] + 3))  # one run of ids
+    assert tokens == want and calls == []
+    assert len(gathers) <= 2 * len(model.layers)  # (the first steps, before lending starts)
+    other = make_paged_cache(model, pool)
+    with make_paged_cache(model, pool) as solo:
+        for i in range(0, 12, 4):  # the two sequences' pages interleave: not one run
+            for c in (solo, other):
+                model(mx.array(p[i : i + 4])[None], cache=c)
+        logits = model(mx.array([p[12:]]), cache=solo)
+        for _ in range(2):
+            token = int(mx.argmax(logits[0, -1]).item())
+            logits = model(mx.array([[token]]), cache=solo)
+        assert calls and int(mx.argmax(logits[0, -1]).item()) == want[2]
+    other.release()
+
+
 def test_the_decode_kernel_gets_each_rows_pages_and_range(monkeypatch):
     """On a CPU, stand a Python reference in for the CUDA kernel: a single cache's and a
     ragged batch's decode steps through it must give mlx-lm's tokens, so the page table,
@@ -299,6 +336,7 @@ def test_the_decode_kernel_gets_each_rows_pages_and_range(monkeypatch):
     monkeypatch.setattr(paged_decode, "fits", lambda q, *a: q.shape[2] == 1)  # not the GPU check
     monkeypatch.setattr(paged_decode, "paged_decode",
                         lambda *a, **k: (calls.append(a[3].shape), reference_kernel(*a, **k))[1])
+    monkeypatch.setattr(paged_decode, "MLX_VECTOR_HEAD_DIMS", ())  # one row too: the kernel
     model = make_model("llama")
     pool = make_pool("llama", page_size=8)
     pool.kind = attrs.evolve(pool.kind, decode_kernel=True)

@@ -95,6 +95,11 @@ def supports(dtype: mx.Dtype, head_dim: int, v_head_dim: int) -> bool:
     return dtype in (mx.float16, mx.bfloat16) and head_dim == v_head_dim and head_dim in (64, 128, 256)
 
 
+MLX_VECTOR_HEAD_DIMS = (64, 96, 128)
+"""Head sizes for which MLX's own CUDA ``scaled_dot_product_attention`` runs its fused
+one-query kernel (MLX 0.32; others fall back to separate matmul and softmax ops)."""
+
+
 def fits(q: mx.array, num_kv_heads: int, dtype: mx.Dtype) -> bool:
     """Whether this query (one token per row, the pool's dtype, a GQA group whose
     staging fits shared memory) can run on a GPU here."""
