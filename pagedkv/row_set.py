@@ -621,7 +621,8 @@ class RowSet:
         self._step_from = start.copy()
         self._step_key = start.tobytes()  # (int64 [B], as ``offsets`` rows: compared per layer)
         self._step_count = count
-        self._writers = sum(1 for s, _ in self.layout.layers if s in self._step_specs) + len(self.layout.state_slots)
+        self._writers = self.layout.num_slots if len(growing) == len(self._tables) else \
+            sum(1 for s, _ in self.layout.layers if s in self._step_specs) + len(self.layout.state_slots)
         self._changed()
 
     def _close_step(self) -> None:

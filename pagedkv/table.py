@@ -462,6 +462,15 @@ class BatchAppend:
         ps, b = pool.page_size, len(tables)
         if not vouched and any(t._released or t.pool is not pool or t._retain != retain for t in tables):
             return None
+        if b == 1 and supply is None:  # one row (a sequence's step): the same decisions on ints
+            t = tables[0]
+            n = t.num_tokens if tokens is None else int(tokens[0])
+            first, stop, listed = n // ps, -(-(n + count) // ps), t._n
+            span = min(stop, listed) - first
+            if span > 1 or (span == 1 and _must_copy(pool.allocator, int(t._pages[first]))):
+                return None
+            return cls(tables, count, np.array([max(stop - listed, 0)]), np.array([n]), np.array([listed]),
+                       _NO_PAGES)
         if tokens is None:
             tokens = np.fromiter((t.num_tokens for t in tables), np.int64, b)
         listed = np.fromiter((t._n for t in tables), np.int64, b)
