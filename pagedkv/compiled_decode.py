@@ -426,7 +426,7 @@ class CompiledDecode:
         that crossed into a new page, whose table now lists the supplied page there."""
         supply, ps = self._supply[spec], rows.layout.specs[spec].pool.page_size
         tables = rows.tables(spec)
-        return [i for i in np.flatnonzero(start % ps == 0).tolist()
+        return [i for i in (start % ps == 0).nonzero()[0].tolist()
                 if supply[i] >= 0 and tables[i].num_listed > start[i] // ps
                 and tables[i].page_at(int(start[i]) // ps) == supply[i]]
 
@@ -455,7 +455,7 @@ class CompiledDecode:
         as keep that true, to the rows that cross into a new page soonest (a row at
         ``start`` next crosses at the first multiple of the page size after it).
         Returns the pages taken, O(B log B)."""
-        lacking = np.flatnonzero(ids < 0)
+        lacking = (ids < 0).nonzero()[0]
         alloc = self._allocators[spec]
         take = min(lacking.size, alloc.num_available() // 2)
         if take == 0:
@@ -478,7 +478,7 @@ class CompiledDecode:
         for s, config in enumerate(rows.layout.specs):
             # every key from the first: pages [0, stop) are listed after the reservation
             first, stop, width = page_span(start * 0, start + 1, config.pool.page_size)
-            ahead = np.flatnonzero(supply[s] >= 0)
+            ahead = (supply[s] >= 0).nonzero()[0]
             width = max(width, int((stop[ahead] + 1).max()) if ahead.size else 0)
             width = -(-width // self.bucket) * self.bucket
             host = self._padded[s].update(rows.tables(s), first, stop, width)

@@ -62,7 +62,7 @@ class PaddedPageTable:
         else:
             moved = (first != self._first) | (stop != self._stop)
             if versions == self._versions and tables == self._tables:  # (the usual step: in C)
-                changed = np.flatnonzero(moved).tolist()
+                changed = moved.nonzero()[0].tolist()
             else:
                 changed = [i for i, (t, v, p, pv, m) in enumerate(
                     zip(tables, versions, self._tables, self._versions, moved.tolist()))

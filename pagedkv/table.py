@@ -500,7 +500,7 @@ class BatchAppend:
         if total or self._supplied.size:
             supplied = self._supplied.tolist() if self._supplied.size else None
             at = 0
-            for i in np.flatnonzero(self.need).tolist():
+            for i in self.need.nonzero()[0].tolist():
                 if supplied is not None and supplied[i] >= 0:
                     self.tables[i]._append(self._supplied[i : i + 1])
                     continue
@@ -513,8 +513,8 @@ class BatchAppend:
         if window is not None:
             # as _drop_outside_window, for every row at once: which rows drop pages now
             droppable = window_start(self._tokens, self.tables[0]._retain) // self.pool.page_size
-            for i in np.flatnonzero(droppable > np.fromiter((t._dropped for t in self.tables), np.int64,
-                                                          len(self.tables))).tolist():
+            dropped = np.fromiter((t._dropped for t in self.tables), np.int64, len(self.tables))
+            for i in (droppable > dropped).nonzero()[0].tolist():
                 t = self.tables[i]
                 self._drops.append((t, t._dropped, t._drop_outside_window(int(self._tokens[i]))))
 
