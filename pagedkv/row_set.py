@@ -660,7 +660,8 @@ class RowSet:
         self._writers = 0
 
     # ------------------------------------------------------------------ indices
-    def write_index(self, spec: int, start: np.ndarray, count: int) -> tuple:
+    def write_index(self, spec: int, start: np.ndarray,
+                    count: int) -> tuple[mx.array, mx.array] | tuple[slice, slice]:
         """(pool array rows, slots) of tokens [start, start + count) of every row of
         ``spec``'s tables, int32 [B, kv_heads, count] (slots of a one-token step [B, 1, 1],
         which broadcasts over the heads): they index a layer array with

@@ -409,8 +409,9 @@ class PageTable:
 
 
 class BatchAppend:
-    """``count`` tokens appended to the end of every table of a list (one spec's rows in
-    a decode step) as one change that can be undone: the vectorised form of a
+    """``count`` tokens appended to the end of every table of a list (a decode step's
+    tables of one pool, window and rewind: ``LayerLayout.append_groups``) as one change
+    that can be undone: the vectorised form of a
     journaled ``prepare_write(num_tokens, count)`` per table.
 
     ``plan`` decides without changing anything; it returns None where the per-table path
