@@ -289,19 +289,27 @@ def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pa
     return mx.concatenate(out)
 
 
-def test_one_sequence_decodes_with_mlx_attention_over_lent_views_where_the_kernel_could_run(monkeypatch):
-    """Where the decode kernel could run, a one-sequence step whose pages are one run
-    attends with MLX's own attention over views of the pool (no gather, no kernel); a
-    sequence whose pages are not one run takes the kernel. Both give mlx-lm's tokens."""
+def pool_with_a_stand_in_kernel(monkeypatch) -> tuple[PagePool, list]:
+    """A llama pool (pages of 8) whose decode steps may take the CUDA decode kernel, with
+    ``reference_kernel`` standing in for it on a CPU; and the list of the table shapes
+    each kernel call got."""
     import attrs
 
     calls = []
     monkeypatch.setattr(paged_decode, "fits", lambda q, *a: q.shape[2] == 1)  # not the GPU check
     monkeypatch.setattr(paged_decode, "paged_decode",
                         lambda *a, **k: (calls.append(a[3].shape), reference_kernel(*a, **k))[1])
-    model = make_model("llama")
     pool = make_pool("llama", page_size=8)
     pool.kind = attrs.evolve(pool.kind, decode_kernel=True)
+    return pool, calls
+
+
+def test_one_sequence_decodes_with_mlx_attention_over_lent_views_where_the_kernel_could_run(monkeypatch):
+    """Where the decode kernel could run, a one-sequence step whose pages are one run
+    attends with MLX's own attention over views of the pool (no gather, no kernel); a
+    sequence whose pages are not one run takes the kernel. Both give mlx-lm's tokens."""
+    pool, calls = pool_with_a_stand_in_kernel(monkeypatch)
+    model = make_model("llama")
     p = prompt_of(13, seed=1)
     want = greedy(model, p, make_prompt_cache(model), 6)[0]
     gathers = []
@@ -330,16 +338,9 @@ def test_the_decode_kernel_gets_each_rows_pages_and_range(monkeypatch):
     """On a CPU, stand a Python reference in for the CUDA kernel: a single cache's and a
     ragged batch's decode steps through it must give mlx-lm's tokens, so the page table,
     starts and lengths the engine hands the kernel are right."""
-    import attrs
-
-    calls = []
-    monkeypatch.setattr(paged_decode, "fits", lambda q, *a: q.shape[2] == 1)  # not the GPU check
-    monkeypatch.setattr(paged_decode, "paged_decode",
-                        lambda *a, **k: (calls.append(a[3].shape), reference_kernel(*a, **k))[1])
+    pool, calls = pool_with_a_stand_in_kernel(monkeypatch)
     monkeypatch.setattr(paged_decode, "MLX_VECTOR_HEAD_DIMS", ())  # one row too: the kernel
     model = make_model("llama")
-    pool = make_pool("llama", page_size=8)
-    pool.kind = attrs.evolve(pool.kind, decode_kernel=True)
     prompts = [prompt_of(13, seed=1), prompt_of(30, seed=2)]
     batch = PagedBatch.for_model(model, pool)
     for p in prompts:
