@@ -117,17 +117,23 @@ class PageRead:
         the result before the layer's next write (a model's step), so the keys may be
         ``borrowed`` views instead of ``parts``; False with ``parts``: they are such views.
 
-        One query of one row that has views of the pool (``borrowed``) goes to MLX's own
-        attention over them even where the decode kernel could run: on CUDA that is one
-        fused kernel (``paged_decode.MLX_VECTOR_HEAD_DIMS``), the one mlx-lm's own cache
-        runs, and it takes less host time to build than the paged kernel's two launches,
-        which is what bounds a one-sequence step (bench/RESULTS.md)."""
+        One query of one row goes to MLX's own attention even where the decode kernel
+        could run, if its keys are at hand: views of the pool (``borrowed``), or ``parts``
+        the caller gathered already, if they are short (``paged_decode.MLX_SHORT_GATHER_BYTES``:
+        a sliding window's keys, a short sequence). On CUDA that is one fused kernel
+        (``paged_decode.MLX_VECTOR_HEAD_DIMS``), the one mlx-lm's own cache runs, and it
+        takes less host time to build than the paged kernel's two launches, which is what
+        bounds a one-sequence step (bench/RESULTS.md); a short gather costs the device
+        little more than the kernel's read."""
         pool = self.pool
-        views = None
+        ready = None  # K/V parts MLX's attention can take as they are
         if kernel and pool.kind.decode_kernel and exact and self.num_rows == 1 and q.shape[2] == 1 \
                 and q.shape[3] in paged_decode.MLX_VECTOR_HEAD_DIMS and not isinstance(mask, mx.array):
-            views = self.borrowed(layer, exact) if borrow else parts
-            kernel = views is None
+            ready = self.borrowed(layer, exact) if borrow else parts
+            if ready is None and parts is not None and int(self.hi[0] - self.lo[0]) * \
+                    pool.bytes_per_page_per_layer <= paged_decode.MLX_SHORT_GATHER_BYTES * pool.page_size:
+                ready = parts  # (gathered for this read already: see LayerFace.update_and_fetch)
+            kernel = ready is None
         if kernel and pool.kind.decode_kernel:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
                 return paged_decode.paged_decode(
@@ -139,9 +145,9 @@ class PageRead:
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
                     scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window, sinks=sinks,
                     after=pool.write_order(layer))
-        if views is None and borrow:
-            views = self.borrowed(layer, exact)
-        k_parts, v_parts = views or parts or self.parts(layer, exact)
+        if ready is None and borrow:
+            ready = self.borrowed(layer, exact)
+        k_parts, v_parts = ready or parts or self.parts(layer, exact)
         return attend_parts(q, k_parts, v_parts, scale, mask, pool.kind, sinks)
 
     def kernel_ranges(self) -> list:

@@ -289,8 +289,10 @@ def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pa
     return mx.concatenate(out)
 
 
-def pool_with_a_stand_in_kernel(monkeypatch) -> tuple[PagePool, list]:
-    """A llama pool (pages of 8) whose decode steps may take the CUDA decode kernel, with
+def pool_with_a_stand_in_kernel(monkeypatch, kind: str = "llama", num_layers: int | None = None
+                                ) -> tuple[PagePool, list]:
+    """A pool for ``kind`` (pages of 8; ``num_layers``: fewer layers than the model's, so
+    it is used in layer groups) whose decode steps may take the CUDA decode kernel, with
     ``reference_kernel`` standing in for it on a CPU; and the list of the table shapes
     each kernel call got."""
     import attrs
@@ -299,15 +301,19 @@ def pool_with_a_stand_in_kernel(monkeypatch) -> tuple[PagePool, list]:
     monkeypatch.setattr(paged_decode, "fits", lambda q, *a: q.shape[2] == 1)  # not the GPU check
     monkeypatch.setattr(paged_decode, "paged_decode",
                         lambda *a, **k: (calls.append(a[3].shape), reference_kernel(*a, **k))[1])
-    pool = make_pool("llama", page_size=8)
+    pool = make_pool(kind, page_size=8)
+    if num_layers is not None:
+        pool = PagePool(num_layers=num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
+                        page_size=8, num_pages=256, dtype=pool.dtype)
     pool.kind = attrs.evolve(pool.kind, decode_kernel=True)
     return pool, calls
 
 
-def test_one_sequence_decodes_with_mlx_attention_over_lent_views_where_the_kernel_could_run(monkeypatch):
-    """Where the decode kernel could run, a one-sequence step whose pages are one run
-    attends with MLX's own attention over views of the pool (no gather, no kernel); a
-    sequence whose pages are not one run takes the kernel. Both give mlx-lm's tokens."""
+def test_one_sequence_decodes_with_mlx_attention_where_its_keys_are_at_hand(monkeypatch):
+    """Where the decode kernel could run, a one-sequence step attends with MLX's own
+    attention if its keys are at hand: views of the pool where its pages are one run (no
+    gather, no kernel), else the step's gather if it is short (``MLX_SHORT_GATHER_BYTES``);
+    a longer gather takes the kernel. All give mlx-lm's tokens."""
     pool, calls = pool_with_a_stand_in_kernel(monkeypatch)
     model = make_model("llama")
     p = prompt_of(13, seed=1)
@@ -321,19 +327,40 @@ def test_one_sequence_decodes_with_mlx_attention_over_lent_views_where_the_kerne
         assert pages == list(range(pages[0], pages[0] + 3))  # one run of ids
     assert tokens == want and calls == []
     assert len(gathers) <= 2 * len(model.layers)  # (the first steps, before lending starts)
-    other = make_paged_cache(model, pool)
-    with make_paged_cache(model, pool) as solo:
-        for i in range(0, 12, 4):  # the two sequences' pages interleave: not one run
-            for c in (solo, other):
-                model(mx.array(p[i : i + 4])[None], cache=c)
-        logits = model(mx.array([p[12:]]), cache=solo)
-        for _ in range(2):
-            token = int(mx.argmax(logits[0, -1]).item())
-            logits = model(mx.array([[token]]), cache=solo)
-        assert calls and int(mx.argmax(logits[0, -1]).item()) == want[2]
-    other.release()
+    for short, kernel in ((paged_decode.MLX_SHORT_GATHER_BYTES, False), (0, True)):
+        monkeypatch.setattr(paged_decode, "MLX_SHORT_GATHER_BYTES", short)
+        calls.clear()
+        other = make_paged_cache(model, pool)
+        with make_paged_cache(model, pool) as solo:
+            for i in range(0, 12, 4):  # the two sequences' pages interleave: not one run
+                for c in (solo, other):
+                    model(mx.array(p[i : i + 4])[None], cache=c)
+            logits = model(mx.array([p[12:]]), cache=solo)
+            for _ in range(2):
+                token = int(mx.argmax(logits[0, -1]).item())
+                logits = model(mx.array([[token]]), cache=solo)
+            assert int(mx.argmax(logits[0, -1]).item()) == want[2]
+        assert calls == ([(1, 2)] * 9 if kernel else [])  # 3 one-token steps x 3 layers, 2 pages each
+        other.release()
 
 
+def test_a_sliding_layers_gathered_window_goes_to_mlx_attention_and_a_long_read_to_the_kernel(monkeypatch):
+    """gemma3 on a pool in layer groups (which lends no views): where the decode kernel
+    could run, a sliding layer's step attends with MLX's own attention over the window
+    its fetch gathered already; a full layer over a longer context takes the kernel.
+    The tokens are mlx-lm's."""
+    pool, calls = pool_with_a_stand_in_kernel(monkeypatch, "gemma3_text", num_layers=2)
+    monkeypatch.setattr(paged_decode, "MLX_VECTOR_HEAD_DIMS", (16,))  # (the tiny model's head size)
+    per_token = pool.bytes_per_page_per_layer // pool.page_size
+    monkeypatch.setattr(paged_decode, "MLX_SHORT_GATHER_BYTES", 20 * per_token)  # a window of 12 fits; 40 do not
+    model = make_model("gemma3_text")
+    p = prompt_of(40, seed=3)
+    want = greedy(model, p, make_prompt_cache(model), 4)[0]
+    with make_paged_cache(model, pool) as c:
+        assert pool.borrow_run(0, 0, 0, 1) is None  # (in groups: no views)
+        tokens, _ = greedy(model, p, c, 4)
+    assert tokens == want
+    assert len(calls) == 2 * 4  # the 2 full layers of each of the 4 decode steps
 def test_the_decode_kernel_gets_each_rows_pages_and_range(monkeypatch):
     """On a CPU, stand a Python reference in for the CUDA kernel: a single cache's and a
     ragged batch's decode steps through it must give mlx-lm's tokens, so the page table,

@@ -99,6 +99,13 @@ MLX_VECTOR_HEAD_DIMS = (64, 96, 128)
 """Head sizes for which MLX's own CUDA ``scaled_dot_product_attention`` runs its fused
 one-query kernel (MLX 0.32; others fall back to separate matmul and softmax ops)."""
 
+MLX_SHORT_GATHER_BYTES = 4 << 20
+"""The most bytes of one layer's K/V a single sequence's decode step hands MLX's own
+attention as a copy gathered from the pages (``PageRead.attend``) instead of running
+the paged kernel: a window of a sliding layer, or a short sequence whose pages are not
+one run. Copying that much costs an H100 or H200 a few microseconds; the kernel's two
+launches cost the host more (bench/RESULTS.md)."""
+
 
 def fits(q: mx.array, num_kv_heads: int, dtype: mx.Dtype) -> bool:
     """Whether this query (one token per row, the pool's dtype, a GQA group whose
