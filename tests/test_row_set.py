@@ -301,10 +301,7 @@ def pool_with_a_stand_in_kernel(monkeypatch, kind: str = "llama", num_layers: in
     monkeypatch.setattr(paged_decode, "fits", lambda q, *a: q.shape[2] == 1)  # not the GPU check
     monkeypatch.setattr(paged_decode, "paged_decode",
                         lambda *a, **k: (calls.append(a[3].shape), reference_kernel(*a, **k))[1])
-    pool = make_pool(kind, page_size=8)
-    if num_layers is not None:
-        pool = PagePool(num_layers=num_layers, num_kv_heads=pool.num_kv_heads, head_dim=pool.head_dim,
-                        page_size=8, num_pages=256, dtype=pool.dtype)
+    pool = make_pool(kind, page_size=8, num_layers=num_layers)
     pool.kind = attrs.evolve(pool.kind, decode_kernel=True)
     return pool, calls
 
@@ -361,6 +358,8 @@ def test_a_sliding_layers_gathered_window_goes_to_mlx_attention_and_a_long_read_
         tokens, _ = greedy(model, p, c, 4)
     assert tokens == want
     assert len(calls) == 2 * 4  # the 2 full layers of each of the 4 decode steps
+
+
 def test_the_decode_kernel_gets_each_rows_pages_and_range(monkeypatch):
     """On a CPU, stand a Python reference in for the CUDA kernel: a single cache's and a
     ragged batch's decode steps through it must give mlx-lm's tokens, so the page table,

@@ -137,10 +137,12 @@ def codecs_for(pages: str, head_dim: int) -> tuple:
 
 
 def make_pool(kind: str, page_size: int = 16, num_pages: int = 256, dtype=mx.float32,
-              pages: str = "fp") -> PagePool:
+              pages: str = "fp", num_layers: int | None = None) -> PagePool:
+    """A pool for ``kind``'s caches; ``num_layers``: fewer layers than its cache slots,
+    so that ``make_paged_cache`` uses it in layer groups."""
     layers, heads, head_dim = kv_dims(kind)
     k_codec, v_codec = codecs_for(pages, head_dim)
-    return PagePool(num_layers=layers, num_kv_heads=heads, head_dim=head_dim,
+    return PagePool(num_layers=num_layers or layers, num_kv_heads=heads, head_dim=head_dim,
                     page_size=page_size, num_pages=num_pages, dtype=dtype, k_codec=k_codec, v_codec=v_codec)
 
 
