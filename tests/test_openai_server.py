@@ -427,6 +427,7 @@ def test_smollm2_answers_over_http_as_it_does_alone():
         assert stop_server(proc) == "engine stopped: 0 KV pages in use, "
 
 
+@pytest.mark.slow  # (a process per case)
 @pytest.mark.parametrize("args, says", [
     (["--model", MODEL, "--pool-bytes", "1000"], "max_bytes=1000 holds fewer than 2 pages"),
     (["--model", "/no/such/model.gguf"], "--model '/no/such/model.gguf' is not smollm2, tiny-random"),
@@ -445,6 +446,7 @@ def usage_error_of(*args: str) -> str:
     return out.stderr
 
 
+@pytest.mark.slow  # (a process per case)
 @pytest.mark.parametrize("model", ["not GGUF", "truncated GGUF", "directory without weights",
                                    "directory with a broken config.json"])
 def test_a_model_that_cannot_be_read_is_a_usage_error(tmp_path, model):
