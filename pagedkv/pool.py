@@ -337,20 +337,33 @@ class PagePool:
 
         ``index`` comes from ``gather_index`` (``rows`` rows of equal width); positions
         count from each row's first listed page. Returns the K and V components as new
-        lazy arrays [rows, kv_heads, stop - start, c]. The pool keeps weak references to
-        them so a later write of this layer can settle them first (module doc); not with
-        ``track=False`` (inside a compiled step, whose reads are not arrays yet).
+        lazy arrays [rows, kv_heads, stop - start, c]: a cut of the gathered pages, or,
+        where MLX's attention misreads views that start inside their buffer (CUDA), a
+        gather of those tokens alone, so what it returns starts at its buffer's first
+        element (``paged_decode.mlx_attention_reads_offset_views``). The pool keeps weak
+        references to them so a later write of this layer can settle them first (module
+        doc); not with ``track=False`` (inside a compiled step, whose reads are not arrays
+        yet).
         """
-        n = index.shape[0] // (self.num_kv_heads * rows)  # pages per row
+        h, ps = self.num_kv_heads, self.page_size
+        n = index.shape[0] // (h * rows)  # pages per row
         if self.write_kernel:
             index = index + self._after[layer]  # (0: the take runs after the layer's token writes)
+        tokens = None  # a cut past the first gathered token, where MLX's attention misreads
+        if start and not paged_decode.mlx_attention_reads_offset_views():  # such slices: by index
+            tokens = (index.reshape(rows * h, n, 1) * ps + mx.arange(ps, dtype=mx.int32))
+            tokens = tokens.reshape(rows * h, n * ps)[:, start:stop].reshape(-1)
 
         def read(arrays: list[mx.array]) -> Parts:
             out = []
             for arr in arrays:
-                x = mx.take(arr, index, axis=0).reshape(rows, self.num_kv_heads, n * self.page_size, arr.shape[-1])
-                if start or stop != n * self.page_size:
-                    x = x[:, :, start:stop]
+                if tokens is not None:  # token rows of the array seen as [kv_heads * P * page_size, c]
+                    c = arr.shape[-1]
+                    x = mx.take(arr.reshape(-1, c), tokens, axis=0).reshape(rows, h, stop - start, c)
+                else:
+                    x = mx.take(arr, index, axis=0).reshape(rows, h, n * ps, arr.shape[-1])
+                    if start or stop != n * ps:
+                        x = x[:, :, start:stop]
                 out.append(self._writes.track(layer, x) if track else x)
             return tuple(out)
 
@@ -370,8 +383,9 @@ class PagePool:
         right; the cost is O(pool layer)). O(1). None where a view would make a write of
         the same forward copy: a pool written in layer groups (one forward writes each
         array several times), or by the in-place write kernel (a slice would not wait
-        for it: ``write_order``)."""
-        if self._in_groups or self.write_kernel:
+        for it: ``write_order``), or where MLX's attention misreads views that start
+        inside their buffer (CUDA: ``paged_decode.mlx_attention_reads_offset_views``)."""
+        if self._in_groups or self.write_kernel or not paged_decode.mlx_attention_reads_offset_views():
             return None
         lo = first_page * self.page_size + start
         hi = lo + (stop - start)

@@ -163,6 +163,40 @@ def test_the_models_own_decode_step_and_the_batch_read_the_pages(monkeypatch, on
     batch.release()
 
 
+@pytest.mark.parametrize("num_pages", [80, 200, 320])
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_what_one_sequence_hands_mlx_attention_reads_right_on_any_pool_size(dtype, num_pages):
+    """MLX 0.32.4's default (cuDNN) attention on CUDA misreads K/V views that start
+    inside their buffer: wrong values, NaN or a crash, depending on the geometry (80 and
+    320 pages of this shape, not 200: bench/RESULTS.md). One sequence on pages past page
+    0, with and without a window: what ``update_and_fetch`` returns, given to MLX's
+    attention as a model that does not route it would, and what ``attend`` computes
+    (over the pages, lent or gathered) give float32 attention over the same keys."""
+    rng = np.random.default_rng(num_pages)
+    pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, num_pages=num_pages, dtype=dtype,
+                    cache_limit=None)
+    held = pool.allocator.allocate(5)
+    q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32)).astype(dtype)
+    for window in (None, 40):
+        cache = PagedKVCache(PageTable(pool, window=window), 0)
+        ks, vs = [], []
+        for t in (300, 1, 1, 1):
+            ks.append(mx.array(rng.standard_normal((1, 2, t, 64)).astype(np.float32)).astype(dtype))
+            vs.append(mx.array(rng.standard_normal((1, 2, t, 64)).astype(np.float32)).astype(dtype))
+            got_k, got_v = cache.update_and_fetch(ks[-1], vs[-1])
+            n, seen = sum(k.shape[2] for k in ks), got_k.shape[2]
+            want = mx.fast.scaled_dot_product_attention(
+                q.astype(mx.float32), mx.concatenate(ks, axis=2)[:, :, n - seen:].astype(mx.float32),
+                mx.concatenate(vs, axis=2)[:, :, n - seen:].astype(mx.float32), scale=0.125)
+            assert rel(mx.fast.scaled_dot_product_attention(q, got_k, got_v, scale=0.125), want) < TOL[dtype]
+            if t == 1:  # (a decode step: the query is the last position, as attend takes it)
+                assert rel(cache.attend(q, 0.125, None), want) < TOL[dtype]
+            del got_k, got_v
+        cache.table.release()
+    pool.allocator.decref(held)
+    assert pool.allocator.num_in_use() == 0
+
+
 # ---------------------------------------------------------------- prefill kernel
 def prefill_reference(q, kvs, lengths, starts, scale, window=None, sinks=None):
     """Float32 SDPA per row: query i at lengths[b] - L + i sees keys [starts[b], that]."""

@@ -10,10 +10,13 @@ import tiny_models
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import PAGE_KINDS, greedy, make_model, make_pool, prompt_of
 
-from pagedkv import KvShapeError, PagedBatch, PagePool, make_paged_cache
+from pagedkv import KvShapeError, PagedBatch, PagedKVCache, PagePool, PageTable, make_paged_cache
 from pagedkv.kernels import paged_decode
 from pagedkv.page_read import PageRead
 from pagedkv.visibility import key_mask, window_start
+
+lends_views = pytest.mark.skipif(not paged_decode.mlx_attention_reads_offset_views(),
+                                 reason="pools lend no views where MLX's attention misreads them (CUDA)")
 
 
 def test_one_decode_step_builds_its_read_and_write_indices_once_for_every_layer(monkeypatch):
@@ -144,6 +147,7 @@ def test_key_mask_matches_the_definition_of_visibility(window):
                 assert got[r, 0, i, c] == want
 
 
+@lends_views
 def test_a_routed_step_builds_no_gather_once_its_layers_fetches_go_to_attention(monkeypatch):
     """A sequence whose pages are one run: its first routed step gathers each layer once
     (the gather attention reads), later ones lend views of the pool (no gather at all).
@@ -169,6 +173,7 @@ def test_a_routed_step_builds_no_gather_once_its_layers_fetches_go_to_attention(
         assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
 
 
+@lends_views
 def test_a_caller_that_keeps_lent_views_gets_copies_from_then_on_and_right_values():
     """Once a layer lends views (its fetches went to attention), a caller that keeps
     what ``update_and_fetch`` returned past the next write makes that one write copy
@@ -256,13 +261,15 @@ def test_one_sequence_whose_pages_are_one_run_is_attended_from_a_slice_of_the_po
             assert (np.diff(pages) != 1).any() and lent == []
         else:
             got, got_logits = greedy(model, prompt, cache, 8)
-            assert lent and set(lent) == {int(cache[0].rows.tables(0)[0].pages[0])}
+            if paged_decode.mlx_attention_reads_offset_views():  # (else the pool lends none)
+                assert lent and set(lent) == {int(cache[0].rows.tables(0)[0].pages[0])}
         assert got == want
         for a, b in zip(got_logits, want_logits):
             assert np.allclose(np.array(a), np.array(b), atol=tiny_models.LOGITS_ATOL)
     other.release()
 
 
+@lends_views
 def test_a_pool_written_in_layer_groups_lends_no_views():
     model = make_model("gemma3_text")
     from pagedkv import kv_pool_layers
@@ -272,6 +279,46 @@ def test_a_pool_written_in_layer_groups_lends_no_views():
         assert pool.borrow_run(0, 1, 0, 4) is None
     solo = make_pool("llama", page_size=4)
     assert solo.borrow_run(0, 1, 0, 4) is not None
+
+
+@pytest.mark.parametrize("pages", ["fp", "affine8"])
+def test_where_mlx_attention_misreads_offset_views_reads_are_cut_by_index_and_none_are_lent(monkeypatch, pages):
+    """On CUDA, MLX's attention misreads K/V views that start inside their buffer
+    (``paged_decode.mlx_attention_reads_offset_views``; bench/RESULTS.md). Made to run as
+    there: the pool lends no views, and a one-row read that starts inside its first page
+    (a sliding window's) gathers those tokens by index instead of slicing the pages it
+    gathered. The values are the same as the slice's, for every page component, and a
+    sliding-window model still decodes one sequence as on mlx-lm's own caches."""
+    rng = np.random.default_rng(0)
+    pool = make_pool("llama", page_size=4, pages=pages)
+    pool.allocator.allocate(3)  # (the sequence's pages start past page 0)
+    cache = PagedKVCache(PageTable(pool, window=6), 0)
+    for t in (11, 1, 1):
+        kv = [mx.array(rng.standard_normal((1, 2, t, 64)).astype(np.float32)) for _ in range(2)]
+        sliced = cache.update_and_fetch(*kv)
+        monkeypatch.setattr(paged_decode, "mlx_attention_reads_offset_views", lambda: False)
+        cut = cache.keys_and_values()
+        assert pool.borrow_run(0, int(cache.table.pages[0]), 0, 4) is None
+        monkeypatch.undo()
+        if paged_decode.mlx_attention_reads_offset_views():  # (CUDA: it lends none anyway)
+            assert pool.borrow_run(0, int(cache.table.pages[0]), 0, 4) is not None
+        start = int(cache.rows.visible_read(0).lo[0] - cache.rows.visible_read(0).key_base[0])
+        assert start > 0 or t > 1  # (decode: the window starts inside its first page, the case at issue)
+        for a, b in zip(sliced, cut):
+            for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+                assert x.shape == y.shape and np.array_equal(np.array(x), np.array(y))
+    cache.table.release()
+    assert pool.allocator.num_in_use() == 3
+
+    monkeypatch.setattr(paged_decode, "mlx_attention_reads_offset_views", lambda: False)
+    model = make_model("gemma3_text")  # sliding layers (window 12) between full ones
+    prompt = prompt_of(21)
+    want, want_logits = greedy(model, prompt, make_prompt_cache(model), 8)
+    with make_paged_cache(model, make_pool("gemma3_text", page_size=4)) as paged:
+        got, got_logits = greedy(model, prompt, paged, 8)
+    assert got == want
+    for a, b in zip(got_logits, want_logits):
+        assert np.allclose(np.array(a), np.array(b), atol=tiny_models.LOGITS_ATOL)
 
 
 def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size, sinks=None, after=None):
@@ -309,8 +356,9 @@ def pool_with_a_stand_in_kernel(monkeypatch, kind: str = "llama", num_layers: in
 def test_one_sequence_decodes_with_mlx_attention_where_its_keys_are_at_hand(monkeypatch):
     """Where the decode kernel could run, a one-sequence step attends with MLX's own
     attention if its keys are at hand: views of the pool where its pages are one run (no
-    gather, no kernel), else the step's gather if it is short (``MLX_SHORT_GATHER_BYTES``);
-    a longer gather takes the kernel. All give mlx-lm's tokens."""
+    gather, no kernel; not on CUDA, where the pool lends none), else the step's gather
+    if it is short (``MLX_SHORT_GATHER_BYTES``); a longer gather takes the kernel. All
+    give mlx-lm's tokens."""
     pool, calls = pool_with_a_stand_in_kernel(monkeypatch)
     model = make_model("llama")
     p = prompt_of(13, seed=1)
@@ -323,7 +371,8 @@ def test_one_sequence_decodes_with_mlx_attention_where_its_keys_are_at_hand(monk
         pages = solo[0].rows.tables(0)[0].pages.tolist()
         assert pages == list(range(pages[0], pages[0] + 3))  # one run of ids
     assert tokens == want and calls == []
-    assert len(gathers) <= 2 * len(model.layers)  # (the first steps, before lending starts)
+    if paged_decode.mlx_attention_reads_offset_views():  # (else the pool lends none: CUDA)
+        assert len(gathers) <= 2 * len(model.layers)  # (the first steps, before lending starts)
     for short, kernel in ((paged_decode.MLX_SHORT_GATHER_BYTES, False), (0, True)):
         monkeypatch.setattr(paged_decode, "MLX_SHORT_GATHER_BYTES", short)
         calls.clear()

@@ -99,6 +99,21 @@ MLX_VECTOR_HEAD_DIMS = (64, 96, 128)
 """Head sizes for which MLX's own CUDA ``scaled_dot_product_attention`` runs its fused
 one-query kernel (MLX 0.32; others fall back to separate matmul and softmax ops)."""
 
+def mlx_attention_reads_offset_views() -> bool:
+    """Whether MLX's own ``scaled_dot_product_attention`` reads keys and values right
+    when they are views starting inside their buffer: a slice along the key axis that
+    does not start at 0 (a pool's lent run of pages, a gather cut to a window).
+
+    False on a CUDA GPU. MLX 0.32.4's default cuDNN attention there misreads such half-
+    precision views: wrong values, NaN, or an illegal memory access that aborts the
+    process, in about half the geometries probed; views starting at 0 (mlx-lm's own
+    cache hands those) and copies read right, as do all of them with
+    ``MLX_CUDA_USE_CUDNN_SDPA=0`` (bench/RESULTS.md, twenty-second session). So on CUDA
+    a pool lends no views and cuts reads by index, not by slice (``PagePool.gather``).
+    True elsewhere (the CPU; Metal's attention takes the offset)."""
+    return not available()
+
+
 MLX_SHORT_GATHER_BYTES = 4 << 20
 """The most bytes of one layer's K/V a single sequence's decode step hands MLX's own
 attention as a copy gathered from the pages (``PageRead.attend``) instead of running
