@@ -99,6 +99,7 @@ MLX_VECTOR_HEAD_DIMS = (64, 96, 128)
 """Head sizes for which MLX's own CUDA ``scaled_dot_product_attention`` runs its fused
 one-query kernel (MLX 0.32; others fall back to separate matmul and softmax ops)."""
 
+
 def mlx_attention_reads_offset_views() -> bool:
     """Whether MLX's own ``scaled_dot_product_attention`` reads keys and values right
     when they are views starting inside their buffer: a slice along the key axis that
@@ -110,7 +111,7 @@ def mlx_attention_reads_offset_views() -> bool:
     cache hands those) and copies read right, as do all of them with
     ``MLX_CUDA_USE_CUDNN_SDPA=0`` (bench/RESULTS.md, twenty-second session). So on CUDA
     a pool lends no views and cuts reads by index, not by slice (``PagePool.gather``).
-    True elsewhere (the CPU; Metal's attention takes the offset)."""
+    True elsewhere: the CPU, and Metal, where no such fault is known (not measured here)."""
     return not available()
 
 
