@@ -171,8 +171,8 @@ def test_what_one_sequence_hands_mlx_attention_reads_right_on_any_pool_size(dtyp
     inside their buffer: wrong values, NaN or a crash, depending on the geometry (80 and
     320 pages of this shape, not 200: bench/RESULTS.md). One sequence on pages past page
     0, with and without a window: what ``update_and_fetch`` returns, given to MLX's
-    attention as a model that does not route it would, and what ``attend`` computes
-    (over the pages, lent or gathered) give float32 attention over the same keys."""
+    attention as a model that does not route it would, what ``attend`` computes, and
+    the plain and view ``SharedKv`` of the step give float32 attention over the same keys."""
     rng = np.random.default_rng(num_pages)
     pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, num_pages=num_pages, dtype=dtype,
                     cache_limit=None)
@@ -192,6 +192,10 @@ def test_what_one_sequence_hands_mlx_attention_reads_right_on_any_pool_size(dtyp
             assert rel(mx.fast.scaled_dot_product_attention(q, got_k, got_v, scale=0.125), want) < TOL[dtype]
             if t == 1:  # (a decode step: the query is the last position, as attend takes it)
                 assert rel(cache.attend(q, 0.125, None), want) < TOL[dtype]
+                for kind in ("plain", "view"):  # what a sharer layer or a drafter is handed
+                    shared = cache.fetch_shared(kind)
+                    assert rel(shared.attend(q, 0.125), want) < TOL[dtype]
+                    shared.release()
             del got_k, got_v
         cache.table.release()
     pool.allocator.decref(held)
