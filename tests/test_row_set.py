@@ -302,7 +302,8 @@ def test_where_mlx_attention_misreads_offset_views_reads_are_cut_by_index_and_no
         monkeypatch.undo()
         if paged_decode.mlx_attention_reads_offset_views():  # (CUDA: it lends none anyway)
             assert pool.borrow_run(0, int(cache.table.pages[0]), 0, 4) is not None
-        start = int(cache.rows.visible_read(0).lo[0] - cache.rows.visible_read(0).key_base[0])
+        read = cache.rows.visible_read(0)
+        start = int(read.lo[0] - read.key_base[0])
         assert start > 0 or t > 1  # (decode: the window starts inside its first page, the case at issue)
         for a, b in zip(sliced, cut):
             for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
