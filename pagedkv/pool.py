@@ -338,9 +338,9 @@ class PagePool:
         ``index`` comes from ``gather_index`` (``rows`` rows of equal width); positions
         count from each row's first listed page. Returns the K and V components as new
         lazy arrays [rows, kv_heads, stop - start, c]: a cut of the gathered pages, or,
-        where MLX's attention misreads views that start inside their buffer (CUDA), a
-        gather of those tokens alone, so what it returns starts at its buffer's first
-        element (``paged_decode.mlx_attention_reads_offset_views``). The pool keeps weak
+        where MLX's attention would misread that cut (``paged_decode.mlx_attention_misreads``:
+        a long cut past the first gathered token, on CUDA), a gather of those tokens
+        alone, which starts at its buffer's first element. The pool keeps weak
         references to them so a later write of this layer can settle them first (module
         doc); not with ``track=False`` (inside a compiled step, whose reads are not arrays
         yet).
@@ -349,8 +349,8 @@ class PagePool:
         n = index.shape[0] // (h * rows)  # pages per row
         if self.write_kernel:
             index = index + self._after[layer]  # (0: the take runs after the layer's token writes)
-        tokens = None  # a cut past the first gathered token, where MLX's attention misreads
-        if start and not paged_decode.mlx_attention_reads_offset_views():  # such slices: by index
+        tokens = None  # a cut that MLX's attention would misread as a slice: by index
+        if paged_decode.mlx_attention_misreads(n * ps, start, stop - start):
             tokens = (index.reshape(rows * h, n, 1) * ps + mx.arange(ps, dtype=mx.int32))
             tokens = tokens.reshape(rows * h, n * ps)[:, start:stop].reshape(-1)
 
@@ -383,13 +383,14 @@ class PagePool:
         right; the cost is O(pool layer)). O(1). None where a view would make a write of
         the same forward copy: a pool written in layer groups (one forward writes each
         array several times), or by the in-place write kernel (a slice would not wait
-        for it: ``write_order``), or where MLX's attention misreads views that start
-        inside their buffer (CUDA: ``paged_decode.mlx_attention_reads_offset_views``)."""
-        if self._in_groups or self.write_kernel or not paged_decode.mlx_attention_reads_offset_views():
-            return None
+        for it: ``write_order``), or where MLX's attention would misread the views
+        (``paged_decode.mlx_attention_misreads``: a long run, on CUDA, in a pool of a
+        multiple of 256 tokens per head)."""
         lo = first_page * self.page_size + start
         hi = lo + (stop - start)
         width = self.num_pages * self.page_size
+        if self._in_groups or self.write_kernel or paged_decode.mlx_attention_misreads(width, lo, hi - lo):
+            return None
 
         def view(arrays: list[mx.array]) -> Parts:
             return tuple(arr.reshape(1, self.num_kv_heads, width, arr.shape[-1])[:, :, lo:hi] for arr in arrays)

@@ -167,16 +167,20 @@ def test_the_models_own_decode_step_and_the_batch_read_the_pages(monkeypatch, on
 @pytest.mark.parametrize("num_pages", [80, 200, 320])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
 def test_what_one_sequence_hands_mlx_attention_reads_right_on_any_pool_size(dtype, num_pages):
-    """MLX 0.32.4's default (cuDNN) attention on CUDA misreads K/V views that start
-    inside their buffer: wrong values, NaN or a crash, depending on the geometry (80 and
-    320 pages of this shape, not 200: bench/RESULTS.md). One sequence on pages past page
-    0, with and without a window: what ``update_and_fetch`` returns, given to MLX's
-    attention as a model that does not route it would, what ``attend`` computes, and
-    the plain and view ``SharedKv`` of the step give float32 attention over the same keys."""
+    """MLX 0.32's CUDA attention reads one query's K/V from their buffer's first token
+    when they hold 256 tokens or more in rows a multiple of 256 long (mlx-lm's cache
+    slices), so a view that starts later is misread: wrong values, NaN or a crash. Pools
+    of 80 and 320 pages of 16 have such rows (1280 and 5120 tokens a head), 200 pages
+    not (3200: it lends views; ``paged_decode.mlx_attention_misreads``, bench/RESULTS.md).
+    One sequence on pages past page 0, with and without a window: what
+    ``update_and_fetch`` returns, given to MLX's attention as a model that does not
+    route it would, what ``attend`` computes, and the plain and view ``SharedKv`` of
+    the step give float32 attention over the same keys."""
     rng = np.random.default_rng(num_pages)
     pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, num_pages=num_pages, dtype=dtype,
                     cache_limit=None)
     held = pool.allocator.allocate(5)
+    assert (pool.borrow_run(0, 1, 0, 300) is None) == (num_pages * 16 % 256 == 0)
     q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32)).astype(dtype)
     for window in (None, 40):
         cache = PagedKVCache(PageTable(pool, window=window), 0)

@@ -15,9 +15,6 @@ from pagedkv.kernels import paged_decode
 from pagedkv.page_read import PageRead
 from pagedkv.visibility import key_mask, window_start
 
-lends_views = pytest.mark.skipif(not paged_decode.mlx_attention_reads_offset_views(),
-                                 reason="pools lend no views where MLX's attention misreads them (CUDA)")
-
 
 def test_one_decode_step_builds_its_read_and_write_indices_once_for_every_layer(monkeypatch):
     model = make_model("llama")  # 3 layers, one table spec
@@ -147,7 +144,6 @@ def test_key_mask_matches_the_definition_of_visibility(window):
                 assert got[r, 0, i, c] == want
 
 
-@lends_views
 def test_a_routed_step_builds_no_gather_once_its_layers_fetches_go_to_attention(monkeypatch):
     """A sequence whose pages are one run: its first routed step gathers each layer once
     (the gather attention reads), later ones lend views of the pool (no gather at all).
@@ -173,7 +169,6 @@ def test_a_routed_step_builds_no_gather_once_its_layers_fetches_go_to_attention(
         assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
 
 
-@lends_views
 def test_a_caller_that_keeps_lent_views_gets_copies_from_then_on_and_right_values():
     """Once a layer lends views (its fetches went to attention), a caller that keeps
     what ``update_and_fetch`` returned past the next write makes that one write copy
@@ -261,15 +256,13 @@ def test_one_sequence_whose_pages_are_one_run_is_attended_from_a_slice_of_the_po
             assert (np.diff(pages) != 1).any() and lent == []
         else:
             got, got_logits = greedy(model, prompt, cache, 8)
-            if paged_decode.mlx_attention_reads_offset_views():  # (else the pool lends none)
-                assert lent and set(lent) == {int(cache[0].rows.tables(0)[0].pages[0])}
+            assert lent and set(lent) == {int(cache[0].rows.tables(0)[0].pages[0])}
         assert got == want
         for a, b in zip(got_logits, want_logits):
             assert np.allclose(np.array(a), np.array(b), atol=tiny_models.LOGITS_ATOL)
     other.release()
 
 
-@lends_views
 def test_a_pool_written_in_layer_groups_lends_no_views():
     model = make_model("gemma3_text")
     from pagedkv import kv_pool_layers
@@ -281,14 +274,46 @@ def test_a_pool_written_in_layer_groups_lends_no_views():
     assert solo.borrow_run(0, 1, 0, 4) is not None
 
 
+def test_mlx_attention_misreads_long_views_past_the_start_of_rows_a_multiple_of_256_long(monkeypatch):
+    """The rule (``paged_decode.mlx_attention_misreads``) as the pool applies it, made to
+    run as on CUDA: a pool of 80 pages of 16 (1280 tokens a head, a multiple of 256)
+    lends no run of 256 tokens or more, and one of 81 pages (1296) does, as do short
+    runs anywhere. A gathered read cut past its first token is cut by index where the
+    gather's rows are a multiple of 256 tokens and the cut is that long."""
+    monkeypatch.setattr(paged_decode, "available", lambda: True)
+    rule = paged_decode.mlx_attention_misreads
+    assert rule(1280, 16, 256) and rule(512, 1, 300)
+    assert not (rule(1280, 0, 300) or rule(1280, 16, 255) or rule(1296, 16, 300))
+    for num_pages, lends_long in ((80, False), (81, True)):
+        pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=8, page_size=16, num_pages=num_pages,
+                        dtype=mx.float32)
+        assert (pool.borrow_run(0, 1, 0, 300) is not None) == lends_long
+        assert pool.borrow_run(0, 1, 0, 255) is not None and pool.borrow_run(0, 1, 3, 100) is not None
+    cuts = []
+    real_take = mx.take
+    monkeypatch.setattr(mx, "take", lambda a, i, axis=None: (cuts.append(i.ndim == 1 and a.ndim == 2),
+                                                             real_take(a, i, axis=axis))[1])
+    index = pool.gather_index(mx.array([list(range(1, 17))], dtype=mx.int32))  # a read of 16 pages: 256 tokens
+    for start, stop, by_index in ((5, 256, False), (0, 256, False), (1, 256, False), (0, 200, False)):
+        cuts.clear()
+        pool.gather(0, index, start, stop, track=False)
+        assert cuts == [by_index] * 2
+    index = pool.gather_index(mx.array([list(range(1, 33))], dtype=mx.int32))  # 32 pages: 512 tokens
+    for start, stop, by_index in ((5, 261, True), (5, 260, False), (0, 512, False)):
+        cuts.clear()
+        pool.gather(0, index, start, stop, track=False)
+        assert cuts == [by_index] * 2
+
+
 @pytest.mark.parametrize("pages", ["fp", "affine8"])
-def test_where_mlx_attention_misreads_offset_views_reads_are_cut_by_index_and_none_are_lent(monkeypatch, pages):
-    """On CUDA, MLX's attention misreads K/V views that start inside their buffer
-    (``paged_decode.mlx_attention_reads_offset_views``; bench/RESULTS.md). Made to run as
-    there: the pool lends no views, and a one-row read that starts inside its first page
+def test_where_mlx_attention_misreads_views_reads_are_cut_by_index_and_none_are_lent(monkeypatch, pages):
+    """Where MLX's attention would misread K/V views (``paged_decode.mlx_attention_misreads``:
+    on CUDA, long ones in some pools; bench/RESULTS.md), made to hold for every view
+    here: the pool lends no views, and a one-row read that starts inside its first page
     (a sliding window's) gathers those tokens by index instead of slicing the pages it
     gathered. The values are the same as the slice's, for every page component, and a
     sliding-window model still decodes one sequence as on mlx-lm's own caches."""
+    misreads = lambda row_tokens, start, length: True  # noqa: E731
     rng = np.random.default_rng(0)
     pool = make_pool("llama", page_size=4, pages=pages)
     pool.allocator.allocate(3)  # (the sequence's pages start past page 0)
@@ -296,12 +321,11 @@ def test_where_mlx_attention_misreads_offset_views_reads_are_cut_by_index_and_no
     for t in (11, 1, 1):
         kv = [mx.array(rng.standard_normal((1, 2, t, 64)).astype(np.float32)) for _ in range(2)]
         sliced = cache.update_and_fetch(*kv)
-        monkeypatch.setattr(paged_decode, "mlx_attention_reads_offset_views", lambda: False)
+        monkeypatch.setattr(paged_decode, "mlx_attention_misreads", misreads)
         cut = cache.keys_and_values()
         assert pool.borrow_run(0, int(cache.table.pages[0]), 0, 4) is None
         monkeypatch.undo()
-        if paged_decode.mlx_attention_reads_offset_views():  # (CUDA: it lends none anyway)
-            assert pool.borrow_run(0, int(cache.table.pages[0]), 0, 4) is not None
+        assert pool.borrow_run(0, int(cache.table.pages[0]), 0, 4) is not None
         read = cache.rows.visible_read(0)
         start = int(read.lo[0] - read.key_base[0])
         assert start > 0 or t > 1  # (decode: the window starts inside its first page, the case at issue)
@@ -311,7 +335,7 @@ def test_where_mlx_attention_misreads_offset_views_reads_are_cut_by_index_and_no
     cache.table.release()
     assert pool.allocator.num_in_use() == 3
 
-    monkeypatch.setattr(paged_decode, "mlx_attention_reads_offset_views", lambda: False)
+    monkeypatch.setattr(paged_decode, "mlx_attention_misreads", misreads)
     model = make_model("gemma3_text")  # sliding layers (window 12) between full ones
     prompt = prompt_of(21)
     want, want_logits = greedy(model, prompt, make_prompt_cache(model), 8)
@@ -357,7 +381,7 @@ def pool_with_a_stand_in_kernel(monkeypatch, kind: str = "llama", num_layers: in
 def test_one_sequence_decodes_with_mlx_attention_where_its_keys_are_at_hand(monkeypatch):
     """Where the decode kernel could run, a one-sequence step attends with MLX's own
     attention if its keys are at hand: views of the pool where its pages are one run (no
-    gather, no kernel; not on CUDA, where the pool lends none), else the step's gather
+    gather, no kernel), else the step's gather
     if it is short (``MLX_SHORT_GATHER_BYTES``); a longer gather takes the kernel. All
     give mlx-lm's tokens."""
     pool, calls = pool_with_a_stand_in_kernel(monkeypatch)
@@ -372,8 +396,7 @@ def test_one_sequence_decodes_with_mlx_attention_where_its_keys_are_at_hand(monk
         pages = solo[0].rows.tables(0)[0].pages.tolist()
         assert pages == list(range(pages[0], pages[0] + 3))  # one run of ids
     assert tokens == want and calls == []
-    if paged_decode.mlx_attention_reads_offset_views():  # (else the pool lends none: CUDA)
-        assert len(gathers) <= 2 * len(model.layers)  # (the first steps, before lending starts)
+    assert len(gathers) <= 2 * len(model.layers)  # (the first steps, before lending starts)
     for short, kernel in ((paged_decode.MLX_SHORT_GATHER_BYTES, False), (0, True)):
         monkeypatch.setattr(paged_decode, "MLX_SHORT_GATHER_BYTES", short)
         calls.clear()

@@ -100,19 +100,31 @@ MLX_VECTOR_HEAD_DIMS = (64, 96, 128)
 one-query kernel (MLX 0.32; others fall back to separate matmul and softmax ops)."""
 
 
-def mlx_attention_reads_offset_views() -> bool:
-    """Whether MLX's own ``scaled_dot_product_attention`` reads keys and values right
-    when they are views starting inside their buffer: a slice along the key axis that
-    does not start at 0 (a pool's lent run of pages, a gather cut to a window).
+MLX_DECODE_SLICE_TOKENS = 256
+"""MLX's CUDA attention (0.32) takes one query's K/V for a slice of a fixed-size cache
+when the K/V hold at least this many tokens and their buffer's rows are a multiple of
+it (``mlx_attention_misreads``)."""
 
-    False on a CUDA GPU. MLX 0.32.4's default cuDNN attention there misreads such half-
-    precision views: wrong values, NaN, or an illegal memory access that aborts the
-    process, in about half the geometries probed; views starting at 0 (mlx-lm's own
-    cache hands those) and copies read right, as do all of them with
-    ``MLX_CUDA_USE_CUDNN_SDPA=0`` (bench/RESULTS.md, twenty-second session). So on CUDA
-    a pool lends no views and cuts reads by index, not by slice (``PagePool.gather``).
-    True elsewhere: the CPU, and Metal, where no such fault is known (not measured here)."""
-    return not available()
+
+def mlx_attention_misreads(row_tokens: int, start: int, length: int) -> bool:
+    """Whether MLX's own ``scaled_dot_product_attention`` would misread K/V that are a
+    view of tokens [start, start + length) of arrays whose buffer holds ``row_tokens``
+    tokens per (row, head): a pool's lent run of pages, or a cut of a gather.
+
+    True only on a CUDA GPU, for a view that starts past its buffer's first token
+    (``start > 0``), holds at least ``MLX_DECODE_SLICE_TOKENS`` tokens and lies in rows
+    a multiple of that long. MLX 0.32's CUDA attention takes a one-query call whose K/V
+    look like that for mlx-lm's cache (``keys[..., :offset, :]`` of a buffer grown in
+    steps of 256) and hands its cuDNN path the buffer from its first token, with the
+    view's length: so a view that starts later is read from the wrong place (wrong
+    values, NaN, or an illegal memory access that aborts the process; half precision,
+    where cuDNN runs). Views that start at the first token (mlx-lm's own), copies, and
+    views in rows of other lengths (MLX's vector kernel reads them) read right
+    (bench/RESULTS.md, twenty-second and twenty-third sessions). So where this is True
+    a pool lends no view and cuts a read by index, not by slice (``PagePool``). False on
+    the CPU and on Metal, where no such path is known (Metal not measured here)."""
+    return (start > 0 and length >= MLX_DECODE_SLICE_TOKENS and row_tokens % MLX_DECODE_SLICE_TOKENS == 0
+            and available())
 
 
 MLX_SHORT_GATHER_BYTES = 4 << 20
