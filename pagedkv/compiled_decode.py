@@ -95,7 +95,7 @@ import numpy as np
 from pagedkv.attention import attend_parts
 from pagedkv.attention_routing import route_attention
 from pagedkv.batch import PagedBatch
-from pagedkv.cache import layer_faces
+from pagedkv.cache import PagedPromptCache, layer_faces
 from pagedkv.errors import (
     InvalidTypeError,
     KvShapeError,
@@ -242,12 +242,14 @@ def _give_back(allocators: list, supply: list[np.ndarray]) -> None:
 
 
 class CompiledDecode:
-    def __init__(self, model, batch: PagedBatch, bucket: int = 64, lookahead: bool = True) -> None:
-        """Decode steps of ``batch`` (built by ``PagedBatch.for_model(model, ...)``)
-        under ``mx.compile``; page tables are padded to a multiple of ``bucket`` pages;
+    def __init__(self, model, batch: PagedBatch | PagedPromptCache, bucket: int = 64,
+                 lookahead: bool = True) -> None:
+        """Decode steps of ``batch`` (built by ``PagedBatch.for_model(model, ...)``, or
+        one sequence's ``make_paged_cache(model, ...)``: a batch of one row) under
+        ``mx.compile``; page tables are padded to a multiple of ``bucket`` pages;
         ``lookahead``: hold a page ahead of need per row (see the module doc)."""
-        if not isinstance(batch, PagedBatch):
-            raise InvalidTypeError(f"batch must be a PagedBatch, got {type(batch).__name__}")
+        if not isinstance(batch, (PagedBatch, PagedPromptCache)):
+            raise InvalidTypeError(f"batch must be a PagedBatch or a PagedPromptCache, got {type(batch).__name__}")
         if not isinstance(lookahead, bool):
             raise InvalidTypeError(f"lookahead must be a bool, got {type(lookahead).__name__}")
         self.bucket = check_int("bucket", bucket, minimum=1)

@@ -1,7 +1,9 @@
 """A plain token-by-token generation loop over any mlx-lm-protocol cache.
 
 The demo, the examples and the benchmarks use this one loop for both pagedkv's caches
-and mlx-lm's, so comparisons differ only in the cache.
+and mlx-lm's, so comparisons differ only in the cache. On a pagedkv cache of one
+sequence the loop's decode steps can run through ``CompiledDecode`` (by default with
+MLX on CUDA, where that was measured faster end to end: ``generate``'s ``compiled``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.errors import InvalidValueError, check_int
+from pagedkv.cache import PagedPromptCache
+from pagedkv.compiled_decode import CompiledDecode
+from pagedkv.errors import InvalidTypeError, InvalidValueError, check_int
+from pagedkv.kernels import paged_decode
 from pagedkv.model_config import check_token_ids, text_config
 
 
@@ -94,18 +99,28 @@ def generate(
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
     prefill_chunk: int = 512,
+    compiled: bool | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_tokens`` new token ids (stopping after an EOS id).
 
     The prompt is prefilled in chunks of ``prefill_chunk`` tokens. ``stats`` (optional)
     is filled in as the loop runs. Bad arguments (token ids outside the model's
     vocabulary included) raise a typed error before anything is written to ``cache``.
+
+    ``compiled``: run the decode steps through ``CompiledDecode`` (the step traced once
+    per page-table width bucket, then replayed), which needs a pagedkv cache of one
+    sequence (``make_paged_cache``). None (default): on where it was measured faster
+    end to end, traces included: MLX on a CUDA GPU (bench/RESULTS.md); eager otherwise,
+    and for other caches. The cache ends up the same either way: the prompt and every
+    yielded token but the last, written. The compiled step's lookahead pages go back
+    when the loop ends (or the generator is closed).
     """
     prompt = _token_ids(model, prompt)
     if not prompt:
         raise InvalidValueError("prompt must hold at least one token")
     max_tokens = check_int("max_tokens", max_tokens, minimum=0)
     prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1)
+    compiled = _compiled_for(cache, compiled)
     eos = set(eos_ids)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
@@ -116,14 +131,36 @@ def generate(
     mx.eval(token)
     stats.prefill_s = time.perf_counter() - t
     t = time.perf_counter()
-    for n in range(max_tokens):
-        tok = int(token.item())
-        stats.generated = n + 1
+    step = None
+    try:
+        for n in range(max_tokens):
+            tok = int(token.item())
+            stats.generated = n + 1
+            stats.decode_s = time.perf_counter() - t
+            yield tok
+            if tok in eos or n + 1 == max_tokens:
+                break
+            if compiled and step is None:
+                step = CompiledDecode(model, cache)
+            if step is not None:
+                logits = step(mx.array([[tok]]))[0, -1]
+            else:
+                logits = model(mx.array([[tok]]), cache=cache)[0, -1]
+            token = sample(logits, temperature)
+            mx.eval(token)
         stats.decode_s = time.perf_counter() - t
-        yield tok
-        if tok in eos or n + 1 == max_tokens:
-            break
-        logits = model(mx.array([[tok]]), cache=cache)[0, -1]
-        token = sample(logits, temperature)
-        mx.eval(token)
-    stats.decode_s = time.perf_counter() - t
+    finally:
+        if step is not None:
+            step.release_lookahead()
+
+
+def _compiled_for(cache, compiled: bool | None) -> bool:
+    """``generate``'s choice of decode step (see there); a typed error, before anything
+    is written, for ``compiled=True`` on a cache the compiled step does not serve."""
+    if compiled is not None and not isinstance(compiled, bool):
+        raise InvalidTypeError(f"compiled must be a bool or None, got {type(compiled).__name__}")
+    paged = isinstance(cache, PagedPromptCache)
+    if compiled and not paged:
+        raise InvalidValueError("compiled=True needs a pagedkv cache of one sequence (make_paged_cache), "
+                                f"got {type(cache).__name__}")
+    return paged and (compiled if compiled is not None else paged_decode.available())

@@ -362,3 +362,78 @@ def test_a_step_on_a_released_batch_raises_and_gives_the_lookahead_back():
     with pytest.raises(ReleasedError):
         step(mx.array([1, 2]))
     assert step.lookahead_pages == 0 and pool.allocator.num_available() == 31  # every page but the null one
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
+def test_one_sequences_cache_decodes_compiled_as_eager_and_ends_in_the_same_place(kind):
+    """``CompiledDecode`` over ``make_paged_cache``'s one-sequence cache (a batch of one
+    row): ``generate(compiled=True)`` gives mlx-lm's greedy tokens (a sliding-window
+    model's too, across its window), and the cache ends where the eager loop's does: the
+    same tokens written, the same pages in use (the lookahead went back), and the same
+    logits from a further eager step."""
+    from tiny_models import greedy
+
+    from pagedkv.generation import generate
+
+    model = make_model(kind)
+    prompt = prompt_of(21)
+    want = greedy(model, prompt, make_prompt_cache(model), 24)[0]
+    pool = make_pool(kind, page_size=4)
+    ends = []
+    for compiled in (False, True):
+        cache = make_paged_cache(model, pool)
+        assert list(generate(model, cache, prompt, max_tokens=24, compiled=compiled)) == want
+        assert cache.num_tokens == len(prompt) + 23  # (the last token is yielded, not written)
+        ends.append((pool.allocator.num_in_use(), model(mx.array([[want[-1]]]), cache=cache)))
+        cache.release()
+    (eager_pages, eager_logits), (compiled_pages, compiled_logits) = ends
+    assert eager_pages == compiled_pages
+    assert mx.allclose(eager_logits, compiled_logits, atol=LOGITS_ATOL).item()
+
+
+def test_a_generation_closed_early_gives_the_compiled_steps_lookahead_back():
+    from pagedkv.generation import generate
+
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=64)
+    with make_paged_cache(model, pool) as cache:
+        tokens = generate(model, cache, prompt_of(10), max_tokens=40, compiled=True)
+        for _ in range(30):  # until the step holds a page ahead (it spends it as the row crosses)
+            next(tokens)
+            pages = [t.num_pages for t in cache.tables]
+            if pool.allocator.num_in_use() > sum(pages):
+                break
+        else:
+            pytest.fail("the compiled step never held a page ahead")
+        tokens.close()
+        assert pool.allocator.num_in_use() == sum(pages)
+
+
+def test_generate_takes_the_compiled_step_on_cuda_by_default_and_refuses_it_for_other_caches(monkeypatch):
+    """``compiled=None`` is eager on the CPU and compiled where MLX runs on CUDA (made to
+    look so here); ``compiled=True`` on mlx-lm's own cache, or a value that is not a
+    bool, is a typed error before anything is written."""
+    from pagedkv import InvalidValueError, generation
+    from pagedkv.kernels import paged_decode
+
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4)
+    built = []
+    real = generation.CompiledDecode
+    monkeypatch.setattr(generation, "CompiledDecode", lambda *a: (built.append(1), real(*a))[1])
+    for on_cuda, steps in ((False, 0), (True, 1)):
+        monkeypatch.setattr(paged_decode, "available", lambda on_cuda=on_cuda: on_cuda)
+        with make_paged_cache(model, pool) as cache:
+            built.clear()
+            list(generation.generate(model, cache, prompt_of(6), max_tokens=4))
+            assert len(built) == steps
+        ref = make_prompt_cache(model)  # (mlx-lm's cache: eager whatever the device)
+        assert len(list(generation.generate(model, ref, prompt_of(6), max_tokens=4))) == 4
+    ref = make_prompt_cache(model)
+    with pytest.raises(InvalidValueError):
+        list(generation.generate(model, ref, prompt_of(6), max_tokens=4, compiled=True))
+    assert ref[0].offset == 0
+    with make_paged_cache(model, pool) as cache:
+        with pytest.raises(InvalidTypeError):
+            list(generation.generate(model, cache, prompt_of(6), max_tokens=4, compiled="yes"))
+        assert cache.num_tokens == 0

@@ -1,0 +1,109 @@
+"""One sequence through ``pagedkv.generation.generate``, end to end: eager against compiled.
+
+    python bench/generate_loop.py                                # CPU or GPU
+    python bench/generate_loop.py --models llama,gemma3_text,1b --dtype bfloat16   # (a GPU)
+
+What a user of ``generate`` (the demo's loop) sees: tokens per second of its decode,
+from the first token out of the prefill to the last, with everything a compiled step
+costs on the way counted (its traces: one per page-table width bucket, and its first
+copies to the device). Sides, each on a fresh cache with the same prompt:
+
+* ``mlx-lm``: mlx-lm's own ``KVCache`` list (``make_prompt_cache``) in the same loop;
+* ``eager``: ``make_paged_cache``, ``generate(..., compiled=False)``;
+* ``compiled``: the same with ``compiled=True`` (``CompiledDecode`` over the cache).
+
+Models (mlx-lm's own classes, random weights, seed 0): ``llama`` and ``gemma3_text``
+are ``bench/host_time.py``'s small ones (16 and 12 layers, hidden 128: the host's
+graph building bounds their steps), ``1b`` the Llama-3.2-1B shape of
+``bench/gpu_generate.py`` (too slow for a CPU). Greedy; the compiled side's tokens are
+checked against the eager side's (``same``: they may part at a near-tie of half-
+precision logits). ``--rounds`` rounds with the sides in turn; printed are the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_generate import model_of as shaped_model  # noqa: E402
+from host_time import GEMMA3, LLAMA  # noqa: E402
+from host_time import model_of as small_model  # noqa: E402
+
+from pagedkv import PagePool, kv_pages_for, kv_pool_layers, make_paged_cache  # noqa: E402
+from pagedkv.generation import GenerationStats, generate  # noqa: E402
+from pagedkv.model_config import text_config  # noqa: E402
+
+PAGE = 16
+
+
+def model_named(name: str, dtype: mx.Dtype):
+    if name == "llama":
+        return small_model(LLAMA, dtype)
+    if name == "gemma3_text":
+        return small_model(GEMMA3, dtype)
+    return shaped_model(name, dtype)
+
+
+def paged_cache(model, tokens: int, dtype: mx.Dtype):
+    config = text_config(model)
+    layers = kv_pool_layers(model)
+    heads = config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    pool = PagePool(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, page_size=PAGE,
+                    num_pages=kv_pages_for(model, tokens, PAGE, layers, chunk=512), dtype=dtype)
+    return make_paged_cache(model, pool)
+
+
+def run_side(model, side: str, prompt: list[int], new: int, dtype: mx.Dtype) -> tuple[float, list[int]]:
+    """(decode tokens/s, the tokens) of one generation on a fresh cache."""
+    cache = make_prompt_cache(model) if side == "mlx-lm" else paged_cache(model, len(prompt) + new, dtype)
+    stats = GenerationStats()
+    kw = {} if side == "mlx-lm" else {"compiled": side == "compiled"}
+    tokens = list(generate(model, cache, prompt, max_tokens=new, stats=stats, **kw))
+    if side != "mlx-lm":
+        cache.release()
+    return stats.decode_tps, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="llama,gemma3_text")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens")
+    ap.add_argument("--new", default="32,128,512", help="tokens to generate, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    dtype = getattr(mx, args.dtype)
+    print(f"device: {mx.default_device()}, {args.dtype}, prompt {args.prompt} tokens, {args.rounds} rounds")
+    print(f"{'model':>12} {'new':>5} {'mlx-lm tok/s':>13} {'eager':>8} {'compiled':>9} {'eager/mlx-lm':>13}"
+          f" {'compiled/mlx-lm':>16} {'compiled/eager':>15} {'same':>5}")
+    for name in args.models.split(","):
+        model = model_named(name, dtype)
+        vocab = text_config(model)["vocab_size"]
+        prompt = [(7 * i) % (vocab - 1) + 1 for i in range(args.prompt)]
+        run_side(model, "mlx-lm", prompt[:64], 4, dtype)  # (MLX's kernels built once, outside the timing)
+        run_side(model, "eager", prompt[:64], 4, dtype)
+        for new in (int(n) for n in args.new.split(",")):
+            tps: dict[str, list[float]] = {"mlx-lm": [], "eager": [], "compiled": []}
+            same = True
+            for _ in range(args.rounds):
+                out = {side: run_side(model, side, prompt, new, dtype) for side in tps}
+                for side, (t, _) in out.items():
+                    tps[side].append(t)
+                same &= out["compiled"][1] == out["eager"][1]
+            m = {side: statistics.median(v) for side, v in tps.items()}
+            print(f"{name:>12} {new:5d} {m['mlx-lm']:13.1f} {m['eager']:8.1f} {m['compiled']:9.1f}"
+                  f" {m['eager'] / m['mlx-lm']:12.2f}x {m['compiled'] / m['mlx-lm']:15.2f}x"
+                  f" {m['compiled'] / m['eager']:14.2f}x {str(same):>5}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
