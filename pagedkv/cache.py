@@ -84,8 +84,9 @@ class LayerFace:
         (``PageRead.borrowed``). The routed attention never computes them, so the step
         builds no gather for nothing. A view still held at the layer's next write makes
         that write copy the layer's array (the values stay right), so a layer whose
-        caller kept one returns copies from then on. On CUDA the pool lends no views
-        (``PagePool.borrow_run``), so this returns copies there. O(1) more than the write."""
+        caller kept one returns copies from then on. A pool lends no views where MLX's
+        attention would misread them (``PagePool.borrow_run``: long runs on CUDA in some
+        pools), so this returns copies there. O(1) more than the write."""
         lends, last = False, self._fetched
         if last is not None:  # the previous fetch: went to attend, and dropped?
             held = any(r() is not None for p in last[1] for r in p)

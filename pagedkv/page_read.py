@@ -118,8 +118,8 @@ class PageRead:
         ``borrowed`` views instead of ``parts``; False with ``parts``: they are such views.
 
         One query of one row goes to MLX's own attention even where the decode kernel
-        could run, if its keys are at hand: views of the pool (``borrowed``; none on CUDA,
-        where MLX's attention misreads them: ``PagePool.borrow_run``), or ``parts``
+        could run, if its keys are at hand: views of the pool (``borrowed``; none where MLX's
+        attention would misread them: ``PagePool.borrow_run``), or ``parts``
         the caller gathered already, if they are short (``paged_decode.MLX_SHORT_GATHER_BYTES``:
         a sliding window's keys, a short sequence). On CUDA that is one fused kernel
         (``paged_decode.MLX_VECTOR_HEAD_DIMS``), the one mlx-lm's own cache runs, and it
