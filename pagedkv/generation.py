@@ -15,7 +15,7 @@ import attrs
 import mlx.core as mx
 import numpy as np
 
-from pagedkv.cache import PagedPromptCache
+from pagedkv.cache import PagedKVCache, PagedPromptCache
 from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.errors import InvalidTypeError, InvalidValueError, check_int
 from pagedkv.kernels import paged_decode
@@ -111,9 +111,12 @@ def generate(
     per page-table width bucket, then replayed), which needs a pagedkv cache of one
     sequence (``make_paged_cache``). None (default): on where it was measured faster
     end to end, traces included: MLX on a CUDA GPU (bench/RESULTS.md); eager otherwise,
-    and for other caches. The cache ends up the same either way: the prompt and every
-    yielded token but the last, written. The compiled step's lookahead pages go back
-    when the loop ends (or the generator is closed).
+    and for other caches. For a model of full-attention layers only, the compiled loop
+    is pipelined: the next step is queued on the device before a token is read (as
+    mlx-lm's ``generate_step``). The cache ends up the same either way: the prompt and
+    every yielded token but the last, written (a step queued past the end is trimmed
+    off), and an error is raised after the same tokens. The compiled step's lookahead
+    pages go back when the loop ends (or the generator is closed).
     """
     prompt = _token_ids(model, prompt)
     if not prompt:
@@ -131,17 +134,35 @@ def generate(
     mx.eval(token)
     stats.prefill_s = time.perf_counter() - t
     t = time.perf_counter()
-    step = None
+    step = CompiledDecode(model, cache) if compiled and max_tokens > 1 else None
+    # Pipelined (compiled, where the cache can drop its last token again): step n + 1 is
+    # queued on the device, fed token n still lazy, before token n is read and yielded.
+    # Where the loop then stops (an EOS id, or the caller closing it) that step wrote
+    # one token the serial loop would not have, and it is trimmed off; an error from
+    # queuing it is raised where the serial loop raises it, after token n is yielded.
+    ahead = step is not None and _drops_last_token(cache)
+    queued, error = False, None
     try:
         for n in range(max_tokens):
+            more = n + 1 < max_tokens
+            if ahead and more:
+                try:
+                    upcoming = sample(step(token.reshape(1, 1))[0, -1], temperature)
+                    mx.async_eval(upcoming)
+                    queued = True
+                except Exception as e:  # noqa: BLE001 (re-raised below, unless the loop stops first)
+                    error = e
             tok = int(token.item())
             stats.generated = n + 1
             stats.decode_s = time.perf_counter() - t
             yield tok
-            if tok in eos or n + 1 == max_tokens:
+            if tok in eos or not more:
                 break
-            if compiled and step is None:
-                step = CompiledDecode(model, cache)
+            if ahead:
+                if error is not None:
+                    raise error
+                token, queued = upcoming, False
+                continue
             if step is not None:
                 logits = step(mx.array([[tok]]))[0, -1]
             else:
@@ -150,8 +171,20 @@ def generate(
             mx.eval(token)
         stats.decode_s = time.perf_counter() - t
     finally:
+        if queued:  # the queued step wrote the last token yielded: as the serial loop, keep it out
+            for layer in cache:
+                layer.trim(1)
         if step is not None:
             step.release_lookahead()
+
+
+def _drops_last_token(cache: PagedPromptCache) -> bool:
+    """Whether every layer of ``cache`` can always trim its last token: full attention
+    only (a sliding window may have dropped keys the shorter end needs) and no recurrent
+    state (it cannot go back)."""
+    layout = cache.rows.layout
+    return not layout.has_windows and layout.state_pool is None and all(
+        isinstance(layer, PagedKVCache) for layer in cache)
 
 
 def _compiled_for(cache, compiled: bool | None) -> bool:

@@ -364,49 +364,84 @@ def test_a_step_on_a_released_batch_raises_and_gives_the_lookahead_back():
     assert step.lookahead_pages == 0 and pool.allocator.num_available() == 31  # every page but the null one
 
 
+def generation_end(model, pool, prompt, compiled, **kw):
+    """Run ``generate`` on a fresh cache of ``pool``: (tokens, the error it raised or None,
+    tokens the cache holds, pages in use, the next eager step's logits); the cache is
+    released after."""
+    from pagedkv.generation import generate
+
+    cache = make_paged_cache(model, pool)
+    got, error = [], None
+    try:
+        for tok in generate(model, cache, prompt, compiled=compiled, **kw):
+            got.append(tok)
+    except PoolExhausted as e:
+        error = type(e)
+    held, in_use = cache.num_tokens, pool.allocator.num_in_use()
+    logits = model(mx.array([[got[-1]]]), cache=cache) if error is None else None
+    cache.release()
+    return got, error, held, in_use, logits
+
+
 @pytest.mark.parametrize("kind", ["llama", "gemma3_text"])
 def test_one_sequences_cache_decodes_compiled_as_eager_and_ends_in_the_same_place(kind):
     """``CompiledDecode`` over ``make_paged_cache``'s one-sequence cache (a batch of one
     row): ``generate(compiled=True)`` gives mlx-lm's greedy tokens (a sliding-window
     model's too, across its window), and the cache ends where the eager loop's does: the
-    same tokens written, the same pages in use (the lookahead went back), and the same
-    logits from a further eager step."""
+    same tokens written (the last one yielded is not), the same pages in use (the
+    lookahead went back), the same logits from a further eager step. Also when an EOS id
+    stops it early: llama's loop is pipelined (the next step is queued before a token is
+    read), and the step queued past the EOS is trimmed off again."""
     from tiny_models import greedy
-
-    from pagedkv.generation import generate
 
     model = make_model(kind)
     prompt = prompt_of(21)
     want = greedy(model, prompt, make_prompt_cache(model), 24)[0]
+    stop = next(t for t in want[8:] if want.index(t) >= 8)  # (an id first seen past the 8th token)
     pool = make_pool(kind, page_size=4)
-    ends = []
-    for compiled in (False, True):
-        cache = make_paged_cache(model, pool)
-        assert list(generate(model, cache, prompt, max_tokens=24, compiled=compiled)) == want
-        assert cache.num_tokens == len(prompt) + 23  # (the last token is yielded, not written)
-        ends.append((pool.allocator.num_in_use(), model(mx.array([[want[-1]]]), cache=cache)))
-        cache.release()
-    (eager_pages, eager_logits), (compiled_pages, compiled_logits) = ends
-    assert eager_pages == compiled_pages
-    assert mx.allclose(eager_logits, compiled_logits, atol=LOGITS_ATOL).item()
+    for kw, tokens in ((dict(max_tokens=24), want), (dict(max_tokens=24, eos_ids=[stop]), want[: want.index(stop) + 1])):
+        eager = generation_end(model, pool, prompt, False, **kw)
+        compiled = generation_end(model, pool, prompt, True, **kw)
+        assert eager[0] == compiled[0] == tokens
+        assert eager[1:4] == compiled[1:4] == (None, len(prompt) + len(tokens) - 1, eager[3])
+        assert mx.allclose(eager[4], compiled[4], atol=LOGITS_ATOL).item()
+
+
+def test_a_pool_that_runs_out_mid_generation_stops_the_compiled_loop_where_it_stops_the_eager_one():
+    """A pool too small for the whole generation: the pipelined compiled loop yields the
+    tokens the eager loop yields, then raises ``PoolExhausted`` as it does, with the
+    cache holding the same tokens and pages."""
+    model = make_model("llama")
+    prompt = prompt_of(10)
+    pool = make_pool("llama", page_size=4, num_pages=8)  # 7 usable pages: 28 tokens
+    eager = generation_end(model, pool, prompt, False, max_tokens=40)
+    compiled = generation_end(model, pool, prompt, True, max_tokens=40)
+    assert eager[1] is PoolExhausted and len(eager[0]) > 1
+    assert eager[:4] == compiled[:4]
 
 
 def test_a_generation_closed_early_gives_the_compiled_steps_lookahead_back():
+    """A caller that stops reading (closes the generator) leaves the cache as the eager
+    loop would: every token but the last yielded, and no page held past its tables."""
     from pagedkv.generation import generate
 
     model = make_model("llama")
     pool = make_pool("llama", page_size=4, num_pages=64)
+    prompt = prompt_of(10)
     with make_paged_cache(model, pool) as cache:
-        tokens = generate(model, cache, prompt_of(10), max_tokens=40, compiled=True)
+        tokens = generate(model, cache, prompt, max_tokens=40, compiled=True)
+        yielded = 0
         for _ in range(30):  # until the step holds a page ahead (it spends it as the row crosses)
             next(tokens)
+            yielded += 1
             pages = [t.num_pages for t in cache.tables]
             if pool.allocator.num_in_use() > sum(pages):
                 break
         else:
             pytest.fail("the compiled step never held a page ahead")
         tokens.close()
-        assert pool.allocator.num_in_use() == sum(pages)
+        assert cache.num_tokens == len(prompt) + yielded - 1
+        assert pool.allocator.num_in_use() == sum(t.num_pages for t in cache.tables)
 
 
 def test_generate_takes_the_compiled_step_on_cuda_by_default_and_refuses_it_for_other_caches(monkeypatch):
