@@ -407,6 +407,22 @@ def test_one_sequences_cache_decodes_compiled_as_eager_and_ends_in_the_same_plac
         assert mx.allclose(eager[4], compiled[4], atol=LOGITS_ATOL).item()
 
 
+def test_seeded_sampling_draws_the_same_tokens_through_the_pipelined_loop():
+    """The pipelined loop samples each token from the same logits with the same draw of
+    MLX's generator as the serial eager loop, so a seed gives the same tokens."""
+    from pagedkv.generation import generate
+
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4)
+    outs = []
+    for compiled in (False, True):
+        mx.random.seed(5)
+        with make_paged_cache(model, pool) as cache:
+            outs.append(list(generate(model, cache, prompt_of(12), max_tokens=30, temperature=1.0,
+                                      compiled=compiled)))
+    assert outs[0] == outs[1] and len(set(outs[0])) > 5
+
+
 def test_a_pool_that_runs_out_mid_generation_stops_the_compiled_loop_where_it_stops_the_eager_one():
     """A pool too small for the whole generation: the pipelined compiled loop yields the
     tokens the eager loop yields, then raises ``PoolExhausted`` as it does, with the
