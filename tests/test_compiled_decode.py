@@ -460,10 +460,10 @@ def test_a_generation_closed_early_gives_the_compiled_steps_lookahead_back():
         assert pool.allocator.num_in_use() == sum(t.num_pages for t in cache.tables)
 
 
-def test_generate_takes_the_compiled_step_on_cuda_by_default_and_refuses_it_for_other_caches(monkeypatch):
-    """``compiled=None`` is eager on the CPU and compiled where MLX runs on CUDA (made to
-    look so here); ``compiled=True`` on mlx-lm's own cache, or a value that is not a
-    bool, is a typed error before anything is written."""
+def test_generate_is_eager_by_default_and_refuses_the_compiled_step_for_other_caches(monkeypatch):
+    """``compiled`` is False by default (on CUDA too: made to look so here);
+    ``compiled=True`` on mlx-lm's own cache, or a value that is not a bool, is a typed
+    error before anything is written."""
     from pagedkv import InvalidValueError, generation
     from pagedkv.kernels import paged_decode
 
@@ -472,19 +472,19 @@ def test_generate_takes_the_compiled_step_on_cuda_by_default_and_refuses_it_for_
     built = []
     real = generation.CompiledDecode
     monkeypatch.setattr(generation, "CompiledDecode", lambda *a: (built.append(1), real(*a))[1])
-    for on_cuda, steps in ((False, 0), (True, 1)):
-        monkeypatch.setattr(paged_decode, "available", lambda on_cuda=on_cuda: on_cuda)
+    monkeypatch.setattr(paged_decode, "available", lambda: True)
+    for compiled, steps in ((None, 0), (True, 1)):
+        kw = {} if compiled is None else {"compiled": compiled}
         with make_paged_cache(model, pool) as cache:
             built.clear()
-            list(generation.generate(model, cache, prompt_of(6), max_tokens=4))
+            assert len(list(generation.generate(model, cache, prompt_of(6), max_tokens=4, **kw))) == 4
             assert len(built) == steps
-        ref = make_prompt_cache(model)  # (mlx-lm's cache: eager whatever the device)
-        assert len(list(generation.generate(model, ref, prompt_of(6), max_tokens=4))) == 4
     ref = make_prompt_cache(model)
     with pytest.raises(InvalidValueError):
         list(generation.generate(model, ref, prompt_of(6), max_tokens=4, compiled=True))
     assert ref[0].offset == 0
     with make_paged_cache(model, pool) as cache:
-        with pytest.raises(InvalidTypeError):
-            list(generation.generate(model, cache, prompt_of(6), max_tokens=4, compiled="yes"))
+        for bad in ("yes", None):
+            with pytest.raises(InvalidTypeError):
+                list(generation.generate(model, cache, prompt_of(6), max_tokens=4, compiled=bad))
         assert cache.num_tokens == 0
