@@ -2,8 +2,8 @@
 
 The demo, the examples and the benchmarks use this one loop for both pagedkv's caches
 and mlx-lm's, so comparisons differ only in the cache. On a pagedkv cache of one
-sequence the loop's decode steps can run through ``CompiledDecode`` instead
-(``generate``'s ``compiled``).
+sequence the loop's decode steps can run through ``CompiledDecode`` instead (by
+default on CUDA, for pages the decode kernel reads: ``generate``'s ``compiled``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 from pagedkv.cache import PagedKVCache, PagedPromptCache
 from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.errors import InvalidTypeError, InvalidValueError, check_int
+from pagedkv.kernels import paged_decode
 from pagedkv.model_config import check_token_ids, text_config
 
 
@@ -98,7 +99,7 @@ def generate(
     eos_ids: Iterable[int] = (),
     stats: GenerationStats | None = None,
     prefill_chunk: int = 512,
-    compiled: bool = False,
+    compiled: bool | None = None,
 ) -> Iterator[int]:
     """Yield up to ``max_tokens`` new token ids (stopping after an EOS id).
 
@@ -106,17 +107,18 @@ def generate(
     is filled in as the loop runs. Bad arguments (token ids outside the model's
     vocabulary included) raise a typed error before anything is written to ``cache``.
 
-    ``compiled=True``: run the decode steps through ``CompiledDecode`` (the step traced
-    once per call and page-table width bucket, then replayed), which needs a pagedkv
-    cache of one sequence (``make_paged_cache``). For a model of full-attention layers
-    only, that loop is pipelined: the next step is queued on the device before a token
-    is read (as mlx-lm's ``generate_step``). On CUDA it ran 1.18-1.68x the eager loop on
-    random-weight llama and gemma3 models, but not faster on the demo's SmolLM2 (a 30-layer
-    quantised model; bench/RESULTS.md), so it is not the default. The cache ends up the
-    same either way: the prompt and every yielded token but the last, written (a step
-    queued past the end is trimmed off), and an error is raised after the same tokens.
-    The compiled step's lookahead pages go back when the loop ends (or the generator is
-    closed).
+    ``compiled``: run the decode steps through ``CompiledDecode`` (the step traced once
+    per call and page-table width bucket, then replayed), which needs a pagedkv cache of
+    one sequence (``make_paged_cache``). For a model of full-attention layers only, that
+    loop is pipelined: the next step is queued on the device before a token is read (as
+    mlx-lm's ``generate_step``). None (default): compiled where it was measured faster,
+    traces included: MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain
+    fp16/bf16; 1.18-1.68x the eager loop, bench/RESULTS.md); eager elsewhere (a float32
+    or quantised pool, where the compiled step gathers its pages every step, as the
+    demo's SmolLM2 showed; a CPU; other caches). The cache ends up the same either way:
+    the prompt and every yielded token but the last, written (a step queued past the end
+    is trimmed off), and an error is raised after the same tokens. The compiled step's
+    lookahead pages go back when the loop ends (or the generator is closed).
     """
     prompt = _token_ids(model, prompt)
     if not prompt:
@@ -187,12 +189,17 @@ def _drops_last_token(cache: PagedPromptCache) -> bool:
         isinstance(layer, PagedKVCache) for layer in cache)
 
 
-def _compiled_for(cache, compiled: bool) -> bool:
-    """``generate``'s ``compiled``, checked: a typed error, before anything is written,
-    for a value that is not a bool or ``True`` on a cache the compiled step does not serve."""
-    if not isinstance(compiled, bool):
-        raise InvalidTypeError(f"compiled must be a bool, got {type(compiled).__name__}")
-    if compiled and not isinstance(cache, PagedPromptCache):
+def _compiled_for(cache, compiled: bool | None) -> bool:
+    """``generate``'s choice of decode step (see there); a typed error, before anything
+    is written, for a value that is not a bool or None, or ``True`` on a cache the
+    compiled step does not serve."""
+    if compiled is not None and not isinstance(compiled, bool):
+        raise InvalidTypeError(f"compiled must be a bool or None, got {type(compiled).__name__}")
+    paged = isinstance(cache, PagedPromptCache)
+    if compiled and not paged:
         raise InvalidValueError("compiled=True needs a pagedkv cache of one sequence (make_paged_cache), "
                                 f"got {type(cache).__name__}")
+    if compiled is None:
+        return paged and paged_decode.available() and all(
+            spec.pool.kind.decode_kernel for spec in cache.rows.layout.specs)
     return compiled

@@ -460,31 +460,42 @@ def test_a_generation_closed_early_gives_the_compiled_steps_lookahead_back():
         assert pool.allocator.num_in_use() == sum(t.num_pages for t in cache.tables)
 
 
-def test_generate_is_eager_by_default_and_refuses_the_compiled_step_for_other_caches(monkeypatch):
-    """``compiled`` is False by default (on CUDA too: made to look so here);
-    ``compiled=True`` on mlx-lm's own cache, or a value that is not a bool, is a typed
-    error before anything is written."""
-    from pagedkv import InvalidValueError, generation
-    from pagedkv.kernels import paged_decode
+def test_generate_compiles_by_default_only_on_cuda_for_kernel_pages_and_refuses_other_caches(monkeypatch):
+    """``compiled=None`` takes the compiled step only where MLX runs on CUDA (made to look
+    so here) and every pool holds pages the CUDA decode kernel reads (plain fp16/bf16):
+    not on the CPU, not for float32 or quantised pages, never for mlx-lm's cache.
+    ``compiled=True`` on mlx-lm's own cache, or a value that is neither a bool nor None,
+    is a typed error before anything is written."""
+    import types
 
-    model = make_model("llama")
-    pool = make_pool("llama", page_size=4)
-    built = []
-    real = generation.CompiledDecode
-    monkeypatch.setattr(generation, "CompiledDecode", lambda *a: (built.append(1), real(*a))[1])
-    monkeypatch.setattr(paged_decode, "available", lambda: True)
-    for compiled, steps in ((None, 0), (True, 1)):
-        kw = {} if compiled is None else {"compiled": compiled}
-        with make_paged_cache(model, pool) as cache:
-            built.clear()
-            assert len(list(generation.generate(model, cache, prompt_of(6), max_tokens=4, **kw))) == 4
-            assert len(built) == steps
+    from pagedkv import InvalidValueError, generation
+
+    class Chosen(Exception):
+        pass
+
+    def spy(*a):
+        raise Chosen  # (the compiled step itself would call the CUDA kernel: not run here)
+
+    monkeypatch.setattr(generation, "CompiledDecode", spy)
+    for on_cuda, pages, dtype, chosen in ((True, "fp", mx.float16, True), (False, "fp", mx.float16, False),
+                                          (True, "fp", mx.float32, False), (True, "affine8", mx.float16, False)):
+        model = make_model("llama")
+        model.set_dtype(dtype)
+        # (only generate's view of the device: the model's own steps stay on the CPU's path)
+        monkeypatch.setattr(generation, "paged_decode", types.SimpleNamespace(available=lambda on_cuda=on_cuda: on_cuda))
+        with make_paged_cache(model, make_pool("llama", page_size=4, pages=pages, dtype=dtype)) as cache:
+            try:
+                got = len(list(generation.generate(model, cache, prompt_of(6), max_tokens=4)))
+            except Chosen:
+                got = "compiled"
+            assert got == ("compiled" if chosen else 4), (on_cuda, pages, dtype)
+        ref = make_prompt_cache(model)  # (mlx-lm's cache: eager whatever the device)
+        assert len(list(generation.generate(model, ref, prompt_of(6), max_tokens=4))) == 4
     ref = make_prompt_cache(model)
     with pytest.raises(InvalidValueError):
         list(generation.generate(model, ref, prompt_of(6), max_tokens=4, compiled=True))
     assert ref[0].offset == 0
-    with make_paged_cache(model, pool) as cache:
-        for bad in ("yes", None):
-            with pytest.raises(InvalidTypeError):
-                list(generation.generate(model, cache, prompt_of(6), max_tokens=4, compiled=bad))
+    with make_paged_cache(model, make_pool("llama", page_size=4)) as cache:
+        with pytest.raises(InvalidTypeError):
+            list(generation.generate(model, cache, prompt_of(6), max_tokens=4, compiled="yes"))
         assert cache.num_tokens == 0
