@@ -181,9 +181,10 @@ def generate(
 
 
 def _drops_last_token(cache: PagedPromptCache) -> bool:
-    """Whether every layer of ``cache`` can always trim its last token: full attention
-    only (a sliding window may have dropped keys the shorter end needs) and no recurrent
-    state (it cannot go back)."""
+    """Whether trimming the token a queued step wrote leaves ``cache`` exactly as if the
+    step had not run: no recurrent state (it cannot go back), no sliding window (the
+    step may drop a page behind the window that a trim does not bring back, so the cache
+    would hold a page fewer than the serial loop's), one ``PagedKVCache`` per layer."""
     layout = cache.rows.layout
     return not layout.has_windows and layout.state_pool is None and all(
         isinstance(layer, PagedKVCache) for layer in cache)
