@@ -9,10 +9,10 @@ pages (its class sets ``reads_pages``: pagedkv's layer caches and ``DonorCache``
 CUDA decode kernel on a GPU, quantised matmuls on packed pages, SDPA on the gathered
 pages); any other cache goes to mlx-lm's own function, unchanged. The K/V that
 ``update_and_fetch`` returned are then never computed (MLX is lazy), and where they are
-views of the pool (``LayerFace.update_and_fetch``) no gather is built
-either. Attention with sinks (gpt_oss) goes to ``cache.attend(..., sinks=)`` where the
-class sets ``takes_sinks`` (the layer caches of a sequence, a batch and a compiled step),
-and to mlx-lm's function with those K/V otherwise.
+views of the pool (``LayerFace.update_and_fetch``) no gather is built either. Attention with
+sinks (gpt_oss) goes to ``cache.attend(..., sinks=)`` where the class sets
+``takes_sinks`` (the layer caches of a sequence, a batch and a compiled step), and to
+mlx-lm's function with those K/V otherwise.
 
 Idempotent; ``make_paged_cache`` and ``PagedBatch.for_model`` call it. Costs: one
 ``isinstance`` per attention call.

@@ -122,9 +122,9 @@ def test_window_start_skips_early_tokens():
 @pytest.mark.parametrize("one_row", ["mlx attention", "kernel"])
 def test_the_models_own_decode_step_and_the_batch_read_the_pages(monkeypatch, one_row):
     """route_attention sends mlx-lm's attention to the pages: a single cache's decode
-    steps run MLX's attention over the short gather of its fetch (on CUDA the pool lends
-    no views) or, made to, the kernel; a batch's call runs the kernel; all give mlx-lm's
-    greedy tokens."""
+    steps run MLX's attention over lent views of the pool (these sequences are too short
+    for MLX to misread them: ``paged_decode.mlx_attention_misreads``) or, made to, the
+    kernel; a batch's call runs the kernel; all give mlx-lm's greedy tokens."""
     from mlx_lm.models.cache import make_prompt_cache
     from tiny_models import greedy, make_model, make_pool, prompt_of
 
