@@ -38,14 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_generate import model_of as shaped_model  # noqa: E402
-from host_time import GEMMA3, LLAMA  # noqa: E402
+from host_time import GEMMA3, LLAMA, paged_cache  # noqa: E402
 from host_time import model_of as small_model  # noqa: E402
 
-from pagedkv import PagePool, kv_pages_for, kv_pool_layers, make_paged_cache  # noqa: E402
 from pagedkv.generation import GenerationStats, generate  # noqa: E402
 from pagedkv.model_config import text_config  # noqa: E402
-
-PAGE = 16
 
 
 def model_named(name: str, dtype: mx.Dtype):
@@ -54,16 +51,6 @@ def model_named(name: str, dtype: mx.Dtype):
     if name == "gemma3_text":
         return small_model(GEMMA3, dtype)
     return shaped_model(name, dtype)
-
-
-def paged_cache(model, tokens: int, dtype: mx.Dtype):
-    config = text_config(model)
-    layers = kv_pool_layers(model)
-    heads = config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    pool = PagePool(num_layers=layers, num_kv_heads=heads, head_dim=head_dim, page_size=PAGE,
-                    num_pages=kv_pages_for(model, tokens, PAGE, layers, chunk=512), dtype=dtype)
-    return make_paged_cache(model, pool)
 
 
 def run_side(model, side: str, prompt: list[int], new: int, dtype: mx.Dtype) -> tuple[float, list[int]]:
@@ -75,7 +62,7 @@ def run_side(model, side: str, prompt: list[int], new: int, dtype: mx.Dtype) -> 
             if len(tokens) == 1:
                 first = time.perf_counter()
         return (len(tokens) - 1) / (time.perf_counter() - first), tokens
-    cache = paged_cache(model, len(prompt) + new, dtype)
+    cache = paged_cache(model, text_config(model), len(prompt) + new, dtype)
     stats = GenerationStats()
     tokens = list(generate(model, cache, prompt, max_tokens=new, stats=stats, compiled=side == "compiled"))
     cache.release()
