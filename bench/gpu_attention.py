@@ -141,7 +141,7 @@ def attention(args) -> None:
 
         def kernel():
             return paged_decode.paged_decode(q, kpool, vpool, table, lens_a, starts, scale,
-                                             num_pages=total, page_size=PS, sinks=sinks)
+                                             rows_per_head=total, page_size=PS, sinks=sinks)
 
         sdpa, gather = baselines(q, kpool, vpool, index, kc, vc, scale, mask, sinks)
         err = (mx.abs(kernel().astype(mx.float32) - sdpa().astype(mx.float32)).max()).item()
@@ -180,7 +180,7 @@ def prefill(args) -> None:
 
             def kernel(tiling=None):
                 return paged_prefill.paged_prefill(q, kpool, vpool, table, lens_a, starts, scale,
-                                                   num_pages=total, page_size=PS, tiling=tiling)
+                                                   rows_per_head=total, page_size=PS, tiling=tiling)
 
             sdpa, gather = baselines(q, kpool, vpool, index, kc, vc, scale, mask)
             err = (mx.abs(kernel().astype(mx.float32) - sdpa().astype(mx.float32)).max()).item()

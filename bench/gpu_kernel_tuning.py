@@ -65,7 +65,7 @@ def main() -> None:
             for s in args.splits:
                 def kernel(s=s, pipe=pipe):
                     return paged_decode.paged_decode(q, kpool, vpool, table, lens, starts, scale,
-                                                     num_pages=total, page_size=PS, splits=s, pipeline=pipe)
+                                                     rows_per_head=total, page_size=PS, splits=s, pipeline=pipe)
                 err = mx.abs(kernel().astype(mx.float32) - want.astype(mx.float32)).max().item()
                 if not err < 1e-2:
                     cells.append(f"{'ERR':>8}")
@@ -76,7 +76,7 @@ def main() -> None:
                 cells.append(f"{tk / ts:>7.3f}{'*' if s == auto else ' '}")
             say(f"{str((pipe.warps, pipe.groups, pipe.stages, pipe.tensor_cores)):>40}" + "".join(cells))
         for name, fn in (("SDPA", sdpa), ("kernel", lambda: paged_decode.paged_decode(
-                q, kpool, vpool, table, lens, starts, scale, num_pages=total, page_size=PS))):
+                q, kpool, vpool, table, lens, starts, scale, rows_per_head=total, page_size=PS))):
             t = time.perf_counter()
             outs = [fn() for _ in range(200)]
             say(f"host time to build one call's graph, {name}: {(time.perf_counter() - t) / 200 * 1e6:.1f} us")

@@ -2,6 +2,7 @@
 
     python bench/host_time.py                 # CPU or GPU, whichever MLX runs on
     python bench/host_time.py --dtype bfloat16 --context 4096   # (a GPU)
+    python bench/host_time.py --dtype bfloat16 --context 4096 --pool-pages 1024
 
 A user who hands ``make_paged_cache`` to mlx-lm's own generation loop runs the model
 eagerly: every layer's ``update_and_fetch`` and attention build MLX graph nodes on the
@@ -21,7 +22,9 @@ P tokens (in 512-token forwards), then runs ``--steps`` decode forwards. Per for
 * eval: ``mx.eval`` of the logits.
 
 The two sides' steps alternate, so drift on a shared machine hits both; build time is
-the main thread's CPU time. Then tokens/s of mlx-lm's ``generate_step`` (its pipelined
+the main thread's CPU time. The pool holds just the run's pages unless ``--pool-pages``
+gives a count (a round one, such as 1024, is what bench/RESULTS.md measured against
+MLX's CUDA attention's misreads: ``PagePool.rows_per_head``). Then tokens/s of mlx-lm's ``generate_step`` (its pipelined
 loop, ``mx.async_eval``) on a fresh cache of each side, one after the other. ``--rounds``
 rounds (3): printed are the round with the median build ratio (its medians per step, and
 pagedkv's extra host time per layer) and the median of the rounds' generate ratios.
@@ -70,12 +73,14 @@ def model_of(config: dict, dtype: mx.Dtype = mx.float32):
     return model
 
 
-def paged_cache(model, config: dict, tokens: int, dtype: mx.Dtype = mx.float32):
+def paged_cache(model, config: dict, tokens: int, dtype: mx.Dtype = mx.float32, pages: int | None = None):
     """A pool for one sequence of ``tokens`` tokens prefilled in chunks of up to 2048
-    (mlx-lm's ``generate_step``), in layer groups where the model has sliding layers."""
+    (mlx-lm's ``generate_step``), in layer groups where the model has sliding layers;
+    of ``pages`` pages where given (at least what the sequence needs)."""
     layers = kv_pool_layers(model)
+    need = kv_pages_for(model, tokens, PAGE, layers, chunk=2048)
     pool = PagePool(num_layers=layers, num_kv_heads=config["num_key_value_heads"], head_dim=config["head_dim"],
-                    page_size=PAGE, num_pages=kv_pages_for(model, tokens, PAGE, layers, chunk=2048), dtype=dtype)
+                    page_size=PAGE, num_pages=max(need, pages or 0), dtype=dtype)
     return make_paged_cache(model, pool)
 
 
@@ -122,10 +127,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the decode")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    ap.add_argument("--pool-pages", type=int, default=None, help="pages in the pool (default: what the run needs)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     print(f"device: {mx.default_device()}, {args.dtype}, prompt {args.context} tokens, {args.steps} steps, "
-          f"{args.rounds} rounds (the round with the median build ratio)")
+          f"{args.rounds} rounds (the round with the median build ratio), pool of "
+          f"{args.pool_pages or 'just enough'} pages")
     print(f"{'model':>12} {'layers':>6} {'side':>8} {'build us':>9} {'eval us':>9} {'gen tok/s':>10}")
     summary = []
     for name, config in (("llama", LLAMA), ("gemma3_text", GEMMA3)):
@@ -135,10 +142,12 @@ def main() -> None:
         tokens = args.context + args.steps + 16
         rounds = []
         for _ in range(args.rounds):
-            caches = {"mlx-lm": make_prompt_cache(model), "pagedkv": paged_cache(model, config, tokens, dtype)}
+            caches = {"mlx-lm": make_prompt_cache(model),
+                      "pagedkv": paged_cache(model, config, tokens, dtype, args.pool_pages)}
             stepped = timed_steps(model, caches, prompt, args.steps)
             tps = {"mlx-lm": generate_tps(model, make_prompt_cache(model), prompt, args.steps),
-                   "pagedkv": generate_tps(model, paged_cache(model, config, tokens, dtype), prompt, args.steps)}
+                   "pagedkv": generate_tps(model, paged_cache(model, config, tokens, dtype, args.pool_pages),
+                                           prompt, args.steps)}
             rounds.append({side: (*stepped[side], tps[side]) for side in caches})
         rounds.sort(key=lambda r: r["pagedkv"][0] / r["mlx-lm"][0])
         mid = rounds[len(rounds) // 2]

@@ -182,7 +182,7 @@ class _StepLayer:
         pool = self.pool
         if pool.kind.decode_kernel and paged_decode.fits(queries, pool.num_kv_heads, pool.dtype):
             return paged_decode.paged_decode(queries, *pool.layer_arrays(self.pool_layer), table, lengths, starts,
-                                             scale, num_pages=pool.num_pages, page_size=pool.page_size,
+                                             scale, rows_per_head=pool.rows_per_head, page_size=pool.page_size,
                                              sinks=sinks, after=pool.write_order(self.pool_layer))
         return attend_parts(queries, *self._written(), scale, self.make_mask(1), pool.kind, sinks)
 

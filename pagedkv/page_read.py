@@ -139,12 +139,12 @@ class PageRead:
             if paged_decode.fits(q, pool.num_kv_heads, pool.dtype):
                 return paged_decode.paged_decode(
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
-                    scale, num_pages=pool.num_pages, page_size=pool.page_size, sinks=sinks,
+                    scale, rows_per_head=pool.rows_per_head, page_size=pool.page_size, sinks=sinks,
                     after=pool.write_order(layer))
             if paged_prefill.fits(q, pool.num_kv_heads, pool.dtype) and paged_prefill.preferred(q, mask):
                 return paged_prefill.paged_prefill(
                     q, *pool.layer_arrays(layer), self.table, *self.kernel_ranges(),
-                    scale, num_pages=pool.num_pages, page_size=pool.page_size, window=window, sinks=sinks,
+                    scale, rows_per_head=pool.rows_per_head, page_size=pool.page_size, window=window, sinks=sinks,
                     after=pool.write_order(layer))
         if ready is None and borrow:
             ready = self.borrowed(layer, exact)

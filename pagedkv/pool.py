@@ -3,14 +3,20 @@
 Layout (chosen by measurement, see bench/RESULTS.md): per layer, one K and one V array,
 head-major::
 
-    K[layer]: [kv_heads * num_pages, page_size, head_dim]      row = head * num_pages + page
-    V[layer]: [kv_heads * num_pages, page_size, v_head_dim]
+    K[layer]: [kv_heads * R, page_size, head_dim]      row = head * R + page
+    V[layer]: [kv_heads * R, page_size, v_head_dim]
 
-    page p of head h is the contiguous [page_size, head_dim] block K[layer][h * P + p].
+    page p of head h is the contiguous [page_size, head_dim] block K[layer][h * R + p].
+
+R (``rows_per_head``) is ``num_pages``, or one more where ``num_pages * page_size``
+is a multiple of 256 tokens (``head_rows_for``): MLX's CUDA attention misreads a view that starts inside
+rows of such a length (``paged_decode.mlx_attention_misreads``), so a pool of a round
+size would have to gather what it can lend. The extra row belongs to no page id; it is
+never written or read, and ``nbytes`` counts it.
 
 A page id names the same slot in every layer (one allocator for the whole pool, as in
 vLLM), so one page table serves all layers of a sequence. Gathering n pages is one
-``take`` along axis 0 with indices ``h * P + pages`` → [kv_heads * n, page_size, D],
+``take`` along axis 0 with indices ``h * R + pages`` → [kv_heads * n, page_size, D],
 which reshapes to [1, kv_heads, n * page_size, D] with no transpose.
 
 Ownership: the pool owns its arrays for its whole life and never hands them out; reads
@@ -142,9 +148,13 @@ class PagePool:
             raise InvalidValueError("give exactly one of num_pages and max_bytes")
         if num_pages is None:
             num_pages = int(check_int("max_bytes", max_bytes, minimum=1) // per_page)
+            if head_rows_for(num_pages, self.page_size) > num_pages:
+                num_pages -= 1  # (a round size's extra row would not fit the budget; one page fewer needs none)
             if num_pages < 2:
-                raise InvalidValueError(f"max_bytes={max_bytes} holds fewer than 2 pages of {per_page} bytes")
+                raise InvalidValueError(f"max_bytes={max_bytes} holds fewer than 2 pages of {per_page} bytes "
+                                        "(and the layout's extra row: head_rows_for)")
         self.num_pages = check_int("num_pages", num_pages, minimum=2)  # the null page + one usable
+        self.rows_per_head = head_rows_for(self.num_pages, self.page_size)
         if self.nbytes > device_memory_bytes():
             raise InvalidValueError(
                 f"a pool of {self.num_pages} pages x {per_page:,} bytes ({self.nbytes / 2**30:.1f} GiB) "
@@ -160,7 +170,7 @@ class PagePool:
             raise InvalidValueError("the pool's allocator must reserve the null page (null_page=True)")
         self.allocator = allocator
         self.null_page = allocator.null_page
-        rows = self.num_kv_heads * self.num_pages
+        rows = self.num_kv_heads * self.rows_per_head
 
         def arrays(codec: PageCodec, dim: int) -> list[mx.array]:
             return [mx.zeros((rows, self.page_size, d), dt) for d, dt in codec.component_dims(dim)]
@@ -168,7 +178,7 @@ class PagePool:
         self._k = [arrays(self.k_codec, self.head_dim) for _ in range(self.num_layers)]
         self._v = [arrays(self.v_codec, self.v_head_dim) for _ in range(self.num_layers)]
         mx.eval(self._k, self._v)
-        self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.num_pages
+        self._head_base = np.arange(self.num_kv_heads, dtype=np.int64)[:, None] * self.rows_per_head
         self._head_base_rows = mx.array(self._head_base.astype(np.int32))  # (as gather_index adds it)
         self._writes = InPlaceWrites(self.num_layers, sync_before_rewrite)  # one group per layer
         self._kv_seen: dict[tuple, int] = {}  # (keys shape, values shape, rows) check_kv passed -> T
@@ -202,7 +212,8 @@ class PagePool:
 
     @property
     def nbytes(self) -> int:
-        return self.bytes_per_page * self.num_pages
+        """Bytes of the pool's arrays: its pages and the extra rows of ``rows_per_head``."""
+        return self.bytes_per_page * self.rows_per_head
 
     # ------------------------------------------------------------------ index helpers
     def array_rows(self, pages: np.ndarray) -> np.ndarray:
@@ -212,13 +223,13 @@ class PagePool:
     def page_slices(self, page: int, slot: int, count: int) -> tuple[slice, slice] | None:
         """Where tokens [slot, slot + count) of page ``page`` lie in a layer array (one
         row's tokens within one page), as slices for ``write_checked``: every head's row
-        of the page (``page``, ``page + P``, ...; P = num_pages) and the slots. A write
+        of the page (``page``, ``page + R``, ...; R = ``rows_per_head``) and the slots. A write
         through slices is a strided slice update, which needs no index arrays and takes
         less host time than a scatter (about 2.4 against 5.8 us per array on a CPU).
         None where the pool writes with its kernel, which takes index arrays. O(1)."""
         if self.write_kernel:
             return None
-        return slice(page, None, self.num_pages), slice(slot, slot + count)
+        return slice(page, None, self.rows_per_head), slice(slot, slot + count)
 
     def device_rows(self, pages: mx.array) -> mx.array:
         """``array_rows`` on the device: int32 [B, kv_heads, n] rows of ``pages`` (int32
@@ -375,7 +386,7 @@ class PagePool:
         stop - start, c] per component: a slice, no gather, so no copy of the context.
 
         Head-major layout makes this possible: head h's pages p.. p+n are the rows
-        h * P + p.. of the array, so [kv_heads, P * page_size, c] is the array itself.
+        h * R + p.. of the array, so [kv_heads, R * page_size, c] is the array itself.
 
         The views share the arrays' buffers, which is why they are only for a reader that
         is done with them before the layer's next write: a write while a view is still
@@ -384,11 +395,12 @@ class PagePool:
         the same forward copy: a pool written in layer groups (one forward writes each
         array several times), or by the in-place write kernel (a slice would not wait
         for it: ``write_order``), or where MLX's attention would misread the views
-        (``paged_decode.mlx_attention_misreads``: a long run, on CUDA, in a pool of a
-        multiple of 256 tokens per head)."""
+        (``paged_decode.mlx_attention_misreads``: a long run, on CUDA, in rows of a
+        multiple of 256 tokens, which only a page size of 256 or more leaves:
+        ``rows_per_head``)."""
         lo = first_page * self.page_size + start
         hi = lo + (stop - start)
-        width = self.num_pages * self.page_size
+        width = self.rows_per_head * self.page_size
         if self._in_groups or self.write_kernel or paged_decode.mlx_attention_misreads(width, lo, hi - lo):
             return None
 
@@ -510,6 +522,19 @@ class PagePool:
             f"k={self.k_codec.label()}, v={self.v_codec.label()}, "
             f"{self.nbytes / 2**20:.1f} MiB)"
         )
+
+
+def head_rows_for(num_pages: int, page_size: int) -> int:
+    """Rows each head takes in a layer array of ``num_pages`` pages (``PagePool``'s
+    ``rows_per_head``): ``num_pages``, or one more where ``num_pages * page_size`` is a
+    multiple of ``paged_decode.MLX_DECODE_SLICE_TOKENS`` (256), so that a view into the
+    rows is never one MLX's CUDA attention misreads (``mlx_attention_misreads``). One
+    more is always enough: the two counts' tokens differ by ``page_size``, not a
+    multiple of 256. None where ``page_size`` is a multiple of 256, as no count helps."""
+    tokens = paged_decode.MLX_DECODE_SLICE_TOKENS
+    if num_pages * page_size % tokens or page_size % tokens == 0:
+        return num_pages
+    return num_pages + 1
 
 
 def check_write_targets(allocator: BlockAllocator, ids: np.ndarray, what: str) -> None:

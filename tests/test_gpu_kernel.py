@@ -54,7 +54,7 @@ def check_against_references(dtype, d, lengths, hq=16, pipeline=paged_decode.DEF
     scale = d ** -0.5
     view = KvAttentionView(pool, 0, [c.table for c in caches])
     got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
-                                    mx.zeros((len(lengths),), mx.int32), scale, num_pages=pool.num_pages,
+                                    mx.zeros((len(lengths),), mx.int32), scale, rows_per_head=pool.rows_per_head,
                                     page_size=pool.page_size, pipeline=pipeline, poison=True)
     assert not mx.isnan(got).any().item()  # every element was written
     ref32 = reference(q, kvs, scale)
@@ -93,7 +93,7 @@ def test_any_split_count_and_pipeline_give_the_same_answer(splits, pipeline):
     q = mx.random.normal((2, 8, 1, 128)).astype(mx.float16)
     view = KvAttentionView(pool, 0, [c.table for c in caches])
     got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._read.table, mx.array([3000, 70], dtype=mx.int32),
-                                    mx.zeros((2,), mx.int32), 128 ** -0.5, num_pages=pool.num_pages,
+                                    mx.zeros((2,), mx.int32), 128 ** -0.5, rows_per_head=pool.rows_per_head,
                                     page_size=16, splits=splits, pipeline=pipeline, poison=True)
     assert rel(got, reference(q, kvs, 128 ** -0.5)) < TOL[mx.float16]
 
@@ -103,7 +103,7 @@ def test_rows_longer_than_one_blocks_page_ids_are_split():
     q = mx.random.normal((2, 8, 1, 64)).astype(mx.float16)
     view = KvAttentionView(pool, 0, [c.table for c in caches])
     got = paged_decode.paged_decode(q, *pool.layer_arrays(0), view._read.table, mx.array([5000, 300], dtype=mx.int32),
-                                    mx.zeros((2,), mx.int32), 0.125, num_pages=pool.num_pages,
+                                    mx.zeros((2,), mx.int32), 0.125, rows_per_head=pool.rows_per_head,
                                     page_size=1, splits=1, poison=True)
     assert rel(got, reference(q, kvs, 0.125)) < TOL[mx.float16]
 
@@ -164,23 +164,25 @@ def test_the_models_own_decode_step_and_the_batch_read_the_pages(monkeypatch, on
     batch.release()
 
 
-@pytest.mark.parametrize("num_pages", [80, 200, 320])
+@pytest.mark.parametrize("num_pages, page_size", [(80, 16), (200, 16), (320, 16), (8, 256)])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_what_one_sequence_hands_mlx_attention_reads_right_on_any_pool_size(dtype, num_pages):
+def test_what_one_sequence_hands_mlx_attention_reads_right_on_any_pool_size(dtype, num_pages, page_size):
     """MLX 0.32's CUDA attention reads one query's K/V from their buffer's first token
     when they hold 256 tokens or more in rows a multiple of 256 long (mlx-lm's cache
-    slices), so a view that starts later is misread: wrong values, NaN or a crash. Pools
-    of 80 and 320 pages of 16 have such rows (1280 and 5120 tokens a head), 200 pages
-    not (3200: it lends views; ``paged_decode.mlx_attention_misreads``, bench/RESULTS.md).
-    One sequence on pages past page 0, with and without a window: what
-    ``update_and_fetch`` returns, given to MLX's attention as a model that does not
-    route it would, what ``attend`` computes, and the plain and view ``SharedKv`` of
-    the step give float32 attention over the same keys."""
+    slices), so a view that starts later is misread: wrong values, NaN or a crash
+    (``paged_decode.mlx_attention_misreads``, bench/RESULTS.md). Pools of 80 and 320
+    pages of 16 would have such rows (1280 and 5120 tokens a head), so they take one row
+    more (``head_rows_for``) and lend views like the 200-page pool; with pages of 256
+    tokens no row count helps, and that pool gathers. One sequence on pages past page 0,
+    with and without a window: what ``update_and_fetch`` returns, given to MLX's
+    attention as a model that does not route it would, what ``attend`` computes, and
+    the plain and view ``SharedKv`` of the step give float32 attention over the same keys."""
     rng = np.random.default_rng(num_pages)
-    pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=64, page_size=16, num_pages=num_pages, dtype=dtype,
-                    cache_limit=None)
+    pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=64, page_size=page_size, num_pages=num_pages,
+                    dtype=dtype, cache_limit=None)
+    assert pool.rows_per_head == num_pages + (num_pages * page_size % 256 == 0 and page_size < 256)
     held = pool.allocator.allocate(5)
-    assert (pool.borrow_run(0, 1, 0, 300) is None) == (num_pages * 16 % 256 == 0)
+    assert (pool.borrow_run(0, 1, 0, 300) is None) == (page_size == 256)
     q = mx.array(rng.standard_normal((1, 4, 1, 64)).astype(np.float32)).astype(dtype)
     for window in (None, 40):
         cache = PagedKVCache(PageTable(pool, window=window), 0)
@@ -233,7 +235,7 @@ def check_prefill(dtype, d, lengths, lq, hq=16, starts=None, window=None, splits
     view = KvAttentionView(pool, 0, [c.table for c in caches])
     got = paged_prefill.paged_prefill(
         q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
-        mx.array(starts, dtype=mx.int32), scale, num_pages=pool.num_pages, page_size=ps, window=window,
+        mx.array(starts, dtype=mx.int32), scale, rows_per_head=pool.rows_per_head, page_size=ps, window=window,
         splits=splits, poison=True)
     assert not mx.isnan(got).any().item()  # every element was written
     assert rel(got, prefill_reference(q, kvs, lengths, starts, scale, window)) < TOL[dtype]
@@ -304,7 +306,7 @@ def test_prefill_kernel_every_tiling_gives_the_same_answer(tiling):
     lengths, starts = [700, 150, 1100], [0, 3, 200]
     got = paged_prefill.paged_prefill(
         q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
-        mx.array(starts, dtype=mx.int32), 0.125, num_pages=pool.num_pages, page_size=16, window=400,
+        mx.array(starts, dtype=mx.int32), 0.125, rows_per_head=pool.rows_per_head, page_size=16, window=400,
         tiling=tiling, poison=True)
     assert rel(got, prefill_reference(q, kvs, lengths, starts, 0.125, 400)) < TOL[mx.float16]
     view.release()
@@ -326,11 +328,11 @@ def test_decode_kernel_applies_attention_sinks_as_sdpa_does(dtype, lengths):
     view = KvAttentionView(pool, 0, [c.table for c in caches])
     args = (q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
             mx.zeros((len(lengths),), mx.int32), 0.125)
-    got = paged_decode.paged_decode(*args, num_pages=pool.num_pages, page_size=16, poison=True,
+    got = paged_decode.paged_decode(*args, rows_per_head=pool.rows_per_head, page_size=16, poison=True,
                                     sinks=sinks.astype(dtype))
     want = reference(q, kvs, 0.125, sinks.astype(dtype).astype(mx.float32))
     assert rel(got, want) < TOL[dtype]
-    without = paged_decode.paged_decode(*args, num_pages=pool.num_pages, page_size=16)
+    without = paged_decode.paged_decode(*args, rows_per_head=pool.rows_per_head, page_size=16)
     assert rel(without, want) > 0.1  # the sinks changed the answer
     view.release()
 
@@ -343,7 +345,7 @@ def test_prefill_kernel_applies_attention_sinks_as_sdpa_does():
     view = KvAttentionView(pool, 0, [c.table for c in caches])
     got = paged_prefill.paged_prefill(
         q, *pool.layer_arrays(0), view._read.table, mx.array(lengths, dtype=mx.int32),
-        mx.array(starts, dtype=mx.int32), 0.125, num_pages=pool.num_pages, page_size=16, window=256,
+        mx.array(starts, dtype=mx.int32), 0.125, rows_per_head=pool.rows_per_head, page_size=16, window=256,
         poison=True, sinks=sinks)
     want = prefill_reference(q, kvs, lengths, starts, 0.125, 256, sinks)
     assert rel(got, want) < TOL[mx.float16]

@@ -71,7 +71,8 @@ def test_a_pool_array_written_by_several_layers_in_one_step_keeps_its_buffer():
             table = mx.array(c.table.pages[None].astype(np.int32))
             n = c.table.num_tokens
             x = paged_decode.paged_decode(x, kp, vp, table, mx.array([n], mx.int32), mx.array([0], mx.int32),
-                                          d ** -0.5, num_pages=pages, page_size=ps, after=pool.write_order(0))
+                                          d ** -0.5, rows_per_head=pool.rows_per_head, page_size=ps,
+                                          after=pool.write_order(0))
             del kp, vp
         mx.eval(x)
     growth = mx.get_peak_memory() - base

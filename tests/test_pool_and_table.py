@@ -3,6 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from tiny_models import PAGE_KINDS, codecs_for
 
 from pagedkv import (
@@ -18,6 +19,7 @@ from pagedkv import (
     ReleasedError,
 )
 from pagedkv.kernels import paged_decode
+from pagedkv.pool import head_rows_for
 from pagedkv.table import BatchAppend
 
 H, D = 2, 32
@@ -41,11 +43,50 @@ def pool_snapshot(pool):
 
 
 def test_pool_sizes_from_a_byte_budget():
-    p = PagePool(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, max_bytes=1 << 20,
-                 dtype=mx.float16)
-    assert p.bytes_per_page == 4 * 2 * (64 + 64) * 2 * 16
-    assert p.num_pages == (1 << 20) // p.bytes_per_page
-    assert p.nbytes <= 1 << 20
+    """The most pages whose arrays fit: 35 pages in 35 pages' bytes, but 31 in 32 pages'
+    bytes, as 32 pages of 16 take a row more per head (``head_rows_for``)."""
+    per_page = 4 * 2 * (64 + 64) * 2 * 16
+    for budget, pages in ((35 * per_page + 100, 35), (1 << 20, 31)):
+        p = PagePool(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, max_bytes=budget, dtype=mx.float16)
+        assert p.bytes_per_page == per_page and p.num_pages == p.rows_per_head == pages
+        assert p.nbytes <= budget < p.nbytes + p.bytes_per_page * 2
+        assert p.allocator.num_pages == pages and p._k[0][0].shape[0] == 2 * pages
+    with pytest.raises(InvalidValueError, match="fewer than 2 pages"):  # 2 pages of 128 would take 3 rows
+        PagePool(num_layers=1, num_kv_heads=1, head_dim=8, page_size=128, max_bytes=2 * 128 * 16 * 2 + 100)
+
+
+@pytest.mark.parametrize("pages", PAGE_KINDS)
+def test_a_pool_of_a_round_size_takes_one_row_more_per_head_which_no_page_uses(pages):
+    """A pool whose pages hold a multiple of 256 tokens a head (64 pages of 4) takes
+    65 rows a head, so that views into it are never what MLX's CUDA attention misreads
+    (``paged_decode.mlx_attention_misreads``). Page p of head h is row h * 65 + p in
+    every array of every codec; the extra row stays zero through writes of every
+    page, copies and page loads, and pages read back as written."""
+    assert [head_rows_for(n, ps) for n, ps in ((64, 4), (63, 4), (16, 16), (17, 16), (3, 256), (2, 128))] == \
+        [65, 63, 17, 17, 3, 3]
+    pool, plain = pool_of(num_pages=64, page_size=4, pages=pages), pool_of(num_pages=67, page_size=4, pages=pages)
+    assert pool.rows_per_head == 65 and pool.nbytes == 65 * pool.bytes_per_page and plain.rows_per_head == 67
+    assert all(a.shape[0] == H * 65 for ks in pool._k + pool._v for a in ks)
+    table, got = PageTable(pool), []
+    for p in (pool, plain):  # every usable page of the round pool: 248 tokens, then one more
+        cache = PagedKVCache(PageTable(p) if p is plain else table, 0)
+        cache.update_and_fetch(*kv(62 * 4, seed=1))
+        got.append(cache.update_and_fetch(*kv(1, seed=2)))
+    flat = [[x for _, x in tree_flatten(g)] for g in got]  # (quantised pages come as their parts)
+    assert all(mx.array_equal(a, b) for a, b in zip(*flat))  # as a pool with no extra row reads them
+    ids = table.page_ids(0, table.num_pages)
+    assert sorted(ids.tolist()) == list(range(1, 64)) and pool.allocator.num_free() == 0
+    pool.copy_pages(ids[:1], ids[1:2])
+    pool.write_pages(ids[2:3], pool.read_pages(ids[:1]))
+    for layer in range(pool.num_layers):
+        for a in pool.storage(layer):
+            rows = np.array(a.astype(mx.float32)).reshape(H, 65, *a.shape[1:])
+            assert not rows[:, 64].any()  # the extra row of every head stays zero
+            assert rows[:, 1:64].any() == (layer == 0)  # (the cache wrote layer 0)
+    read = pool.read_pages(ids[:3])
+    assert all(np.array_equal(r[0], r[1]) and np.array_equal(r[0], r[2]) for r in read.values())
+    table.release()
+    assert pool.allocator.num_in_use() == 0
 
 
 @pytest.mark.parametrize("kwargs", [dict(num_pages=0), dict(page_size=0), dict(num_pages=8, max_bytes=10),

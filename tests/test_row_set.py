@@ -276,17 +276,20 @@ def test_a_pool_written_in_layer_groups_lends_no_views():
 
 def test_mlx_attention_misreads_long_views_past_the_start_of_rows_a_multiple_of_256_long(monkeypatch):
     """The rule (``paged_decode.mlx_attention_misreads``) as the pool applies it, made to
-    run as on CUDA: a pool of 80 pages of 16 (1280 tokens a head, a multiple of 256)
-    lends no run of 256 tokens or more, and one of 81 pages (1296) does, as do short
-    runs anywhere. A gathered read cut past its first token is cut by index where the
-    gather's rows are a multiple of 256 tokens and the cut is that long."""
+    run as on CUDA. A pool of 80 pages of 16 would have rows of 1280 tokens a head, a
+    multiple of 256, so it takes 81 rows a head (``head_rows_for``) and lends runs of
+    256 tokens or more, as a pool of 81 pages does. Pages of 256 tokens leave every row
+    count a multiple of 256: that pool lends short runs only. A gathered read cut past
+    its first token is cut by index where the gather's rows are a multiple of 256
+    tokens and the cut is that long."""
     monkeypatch.setattr(paged_decode, "available", lambda: True)
     rule = paged_decode.mlx_attention_misreads
     assert rule(1280, 16, 256) and rule(512, 1, 300)
     assert not (rule(1280, 0, 300) or rule(1280, 16, 255) or rule(1296, 16, 300))
-    for num_pages, lends_long in ((80, False), (81, True)):
-        pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=8, page_size=16, num_pages=num_pages,
+    for num_pages, page_size, rows, lends_long in ((4, 256, 4, False), (80, 16, 81, True), (81, 16, 81, True)):
+        pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=8, page_size=page_size, num_pages=num_pages,
                         dtype=mx.float32)
+        assert pool.rows_per_head == rows and pool.allocator.num_pages == num_pages
         assert (pool.borrow_run(0, 1, 0, 300) is not None) == lends_long
         assert pool.borrow_run(0, 1, 0, 255) is not None and pool.borrow_run(0, 1, 3, 100) is not None
     cuts = []
@@ -346,14 +349,14 @@ def test_where_mlx_attention_misreads_views_reads_are_cut_by_index_and_none_are_
         assert np.allclose(np.array(a), np.array(b), atol=tiny_models.LOGITS_ATOL)
 
 
-def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, num_pages, page_size, sinks=None, after=None):
+def reference_kernel(q, k_pool, v_pool, table, lengths, starts, scale, *, rows_per_head, page_size, sinks=None, after=None):
     """What the CUDA kernel computes, from the same arguments: each row's pages in table
     order, tokens [starts, lengths), attention of its one query (with ``sinks``)."""
     b, hq, _, d = q.shape
-    hkv = k_pool.shape[0] // num_pages
+    hkv = k_pool.shape[0] // rows_per_head
     out = []
     for row in range(b):
-        rows = (mx.arange(hkv)[:, None] * num_pages + table[row][None, :]).reshape(-1)
+        rows = (mx.arange(hkv)[:, None] * rows_per_head + table[row][None, :]).reshape(-1)
         lo, hi = starts[row].item(), lengths[row].item()
         k = k_pool[rows].reshape(hkv, -1, d)[None, :, lo:hi]
         v = v_pool[rows].reshape(hkv, -1, d)[None, :, lo:hi]

@@ -51,7 +51,7 @@ template <typename T, int ROWS> __device__ __forceinline__ void mma_16x8x16(
     // This block's (row b, KV head h, split s), the row's visible tokens [start, length),
     // and this thread's lane and warp.
     // Runtime sizes (one compiled kernel serves every batch, width and split count):
-    // splits per (row, KV head), pages per split, page-table width, pool pages.
+    // splits per (row, KV head), pages per split, page-table width, pool rows per head.
     const int S = dims[0], PPS = dims[1], W = dims[2], P = dims[3];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;

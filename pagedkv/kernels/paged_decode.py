@@ -25,7 +25,8 @@ Two kernels through ``mx.fast.cuda_kernel`` (flash-decoding style split-K):
           one more logit in the head's max and sum, so pass 1 is the same with or
           without them.
 
-Pool layout (see PagePool): per layer, [kv_heads * P, page_size, D], row h * P + page.
+Pool layout (see PagePool): per layer, [kv_heads * R, page_size, D], row h * R + page (R: the
+pool's ``rows_per_head``, its pages or one more).
 Rows may be ragged; tokens outside [start_b, length_b) are skipped. Query length 1.
 Costs: every valid K/V byte is read once; partials are B * Hq * S * (D + 2) floats;
 shared memory per block is ``Pipeline.shared_bytes``.
@@ -222,12 +223,13 @@ def shared_pages(pages_per_split: int) -> int:
 
 
 def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
-                 starts: mx.array, scale: float, *, num_pages: int, page_size: int,
+                 starts: mx.array, scale: float, *, rows_per_head: int, page_size: int,
                  splits: int | None = None, pipeline: Pipeline = DEFAULT_PIPELINE,
                  poison: bool = False, sinks: mx.array | None = None, after: mx.array | None = None) -> mx.array:
     """Attention of ``q`` [B, Hq, 1, D] over paged K/V; returns [B, Hq, 1, D].
 
-    ``k_pool``/``v_pool``: one layer's pool arrays [kv_heads * num_pages, page_size, D];
+    ``k_pool``/``v_pool``: one layer's pool arrays [kv_heads * rows_per_head, page_size, D]
+    (``PagePool.rows_per_head``: head h's page p is row h * rows_per_head + p);
     ``table``: int32 [B, W] page ids; ``lengths``/``starts``: int32 [B] visible token range.
     ``splits`` (default: ``choose_splits``) cuts each row's pages into that many blocks.
     ``poison`` fills the outputs with NaN before the kernels run (tests: every element
@@ -239,7 +241,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
     b, hq, lq, d = q.shape
     if lq != 1:
         raise ValueError("the paged decode kernel takes one query per row")
-    hkv = k_pool.shape[0] // num_pages
+    hkv = k_pool.shape[0] // rows_per_head
     if hq % hkv or d not in (64, 128, 256) or k_pool.dtype not in (mx.float16, mx.bfloat16):
         raise ValueError(f"unsupported shape/dtype: Hq={hq}, Hkv={hkv}, D={d}, {k_pool.dtype}")
     w = table.shape[1]
@@ -253,7 +255,7 @@ def paged_decode(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arra
                 ("STAGES", pipeline.stages)]
     if not mma:
         template.append(("U", pipeline.groups))
-    dims = dims_array(s, pps, w, num_pages)
+    dims = dims_array(s, pps, w, rows_per_head)
     shared = pipeline.shared_bytes(d, rep, shared_pages(pps))
     if shared > MAX_SHARED_BYTES:
         raise ValueError(f"{pipeline} needs {shared} bytes of shared memory per block at D={d}, "

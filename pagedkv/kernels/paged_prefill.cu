@@ -37,7 +37,7 @@ template <typename T> __device__ __forceinline__ unsigned int pack2(float x, flo
 
 // @section prefill
     // One block per (row b, KV head h, query tile qt, split s); see paged_prefill.py.
-    // Runtime sizes: splits, queries per row, table width, pool pages, window (0: none).
+    // Runtime sizes: splits, queries per row, table width, pool rows per head, window (0: none).
     const int S = dims[0], L = dims[1], W = dims[2], P = dims[3], WIN = dims[4];
     constexpr int ROWS = 16 * MT;            // query rows per warp (MT m16 tiles)
     constexpr int BM = WARPS * ROWS;         // query rows per block

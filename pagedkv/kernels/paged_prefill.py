@@ -106,14 +106,15 @@ def choose_splits(blocks: int, keys: int, sms: int = 132) -> int:
 
 
 def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array, lengths: mx.array,
-                  starts: mx.array, scale: float, *, num_pages: int, page_size: int,
+                  starts: mx.array, scale: float, *, rows_per_head: int, page_size: int,
                   window: int | None = None, splits: int | None = None,
                   tiling: Tiling | None = None, poison: bool = False,
                   sinks: mx.array | None = None, after: mx.array | None = None) -> mx.array:
     """Causal attention of ``q`` [B, Hq, L, D] (each row's last L positions) over paged
     K/V; returns [B, Hq, L, D] in ``q``'s dtype.
 
-    ``k_pool``/``v_pool``: one layer's pool arrays [kv_heads * num_pages, page_size, D];
+    ``k_pool``/``v_pool``: one layer's pool arrays [kv_heads * rows_per_head, page_size, D]
+    (``PagePool.rows_per_head``: head h's page p is row h * rows_per_head + p);
     ``table``: int32 [B, W] page ids from each row's first needed page; ``lengths`` /
     ``starts``: int32 [B] the visible key range in those columns; ``window``: a sliding
     window per query (None: none). ``splits`` (default ``choose_splits``) cuts each
@@ -122,7 +123,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     ``after``: as ``paged_decode``'s (the layer's pending token writes run first).
     """
     b, hq, lq, d = q.shape
-    hkv = k_pool.shape[0] // num_pages
+    hkv = k_pool.shape[0] // rows_per_head
     if hq % hkv or d not in HEAD_DIMS or k_pool.dtype not in DTYPES or q.dtype != k_pool.dtype:
         raise ValueError(f"unsupported shape/dtype: Hq={hq}, Hkv={hkv}, D={d}, {q.dtype} over {k_pool.dtype}")
     if window is not None and window < 1:
@@ -132,7 +133,7 @@ def paged_prefill(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.arr
     tiling = tiling or choose_tiling(lq * rep)
     tiles = -(-lq * rep // tiling.rows())
     s = splits or choose_splits(b * hkv * tiles, w * page_size)
-    dims = paged_decode.dims_array(s, lq, w, num_pages, window or 0)
+    dims = paged_decode.dims_array(s, lq, w, rows_per_head, window or 0)
     init = {"init_value": float("nan")} if poison else {}
     part_acc, part_ml = _kernel(d, tiling)(
         inputs=[q, k_pool, v_pool, table, lengths, starts,
