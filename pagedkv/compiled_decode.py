@@ -53,7 +53,10 @@ holds none: then a table is copied in every step where a row grows a page.
 
 Everything that varies per step is an input, so the trace is reused until the batch
 size, the token dtype or a table's bucketed width changes (``traces`` counts them;
-``uploads`` counts the steps that copied their state to the device).
+``uploads`` counts the steps that copied their state to the device). The traces depend
+on the layout (pools, table kinds, layers), not on the rows, so ``rebind`` hands the
+object another batch of the same layout with its traces kept (``generate`` takes one
+as ``compiled``, so one sequence after another is traced once).
 The pools' arrays are the compiled function's state (``PagePool.compile_state``): MLX
 feeds them in and puts the written arrays back, donated, so writes stay in place.
 
@@ -98,6 +101,7 @@ from pagedkv.batch import PagedBatch
 from pagedkv.cache import PagedPromptCache, layer_faces
 from pagedkv.errors import (
     InvalidTypeError,
+    InvalidValueError,
     KvShapeError,
     PoolExhausted,
     ReleasedError,
@@ -263,26 +267,14 @@ class CompiledDecode:
             pools.append(layout.state_pool)
         self._pools = pools
         self._state = [pool.compile_state() for pool in pools]
-        # a hybrid's state slots on the device, as (read, write) on the host and on the
-        # device, kept while the rows' slots stay (they change when a row moves)
-        self._slots: tuple = (None, None, ())
-        self._inputs: tuple = ()
         specs = layout.specs
-        # per spec: the padded page table of the last copy, kept so the next copy
-        # rebuilds only the rows whose pages changed
-        self._padded = [PaddedPageTable(spec.pool.null_page) for spec in specs]
         # per spec: each row's lookahead page (-1: none), this object's references. The
         # list is the finaliser's too, so entries are replaced in place, never the list.
         self._supply = [np.full(0, -1, dtype=np.int64) for _ in specs]
         self._allocators = [spec.pool.allocator for spec in specs]  # (per spec, as the supply)
         self._finalizer = weakref.finalize(self, _give_back, self._allocators, self._supply)
-        # the device step state of the last step: (positions, starts, tables), the rows'
-        # positions it stands for, and per spec the tables and their versions it holds
-        self._device: tuple | None = None
-        self._expect = np.zeros(0, dtype=np.int64)
-        self._seen: list[list[PageTable]] = [[] for _ in specs]
-        self._versions: list[list[int]] = [[] for _ in specs]
-        self._drops: list = [None for _ in specs]  # per windowed spec: each table's first_visible()
+        self._forget_rows()
+        self.busy = False  # a generate loop decodes through this object (it refuses a second one)
         self.traces = 0
         self.uploads = 0  # steps that copied their state to the device (the first, and after changes)
         # The traced function and the layers reach this object through a weak reference:
@@ -303,6 +295,45 @@ class CompiledDecode:
         _give_back(self._allocators, self._supply)
         self._device = None
         return n
+
+    def rebind(self, batch: PagedBatch | PagedPromptCache) -> None:
+        """Decode ``batch`` from now on, keeping the traces: another batch, or another
+        one-sequence cache (a new request), of the same layout (``LayerLayout``: the same
+        pools, table kinds and layers, as ``PagedBatch.for_model`` or ``make_paged_cache``
+        gives for this model and these pools). The lookahead pages go back and the next
+        step copies its state to the device; a trace is made again only for a new batch
+        size or table width bucket. ``InvalidTypeError``/``InvalidValueError`` for
+        another kind of object or layout, or while a ``generate`` loop decodes through
+        this object (``busy``), with nothing changed. O(tables)."""
+        if not isinstance(batch, (PagedBatch, PagedPromptCache)):
+            raise InvalidTypeError(f"batch must be a PagedBatch or a PagedPromptCache, got {type(batch).__name__}")
+        if self.busy:
+            raise InvalidValueError("this CompiledDecode is decoding in a generate loop; finish or close it first")
+        if batch.rows.layout != self.batch.rows.layout:
+            raise InvalidValueError("rebind takes a batch of the same layout (the same pools, table kinds and "
+                                    "layers) as the one this step was made for; make a CompiledDecode for it")
+        self.release_lookahead()
+        self.batch = batch
+        self._forget_rows()
+
+    def _forget_rows(self) -> None:
+        """Drop what this object keeps of the batch's rows: the device step state, the
+        kept padded tables, the state slots (after ``__init__`` and ``rebind``)."""
+        specs = self.batch.rows.layout.specs
+        # a hybrid's state slots on the device, as (read, write) on the host and on the
+        # device, kept while the rows' slots stay (they change when a row moves)
+        self._slots: tuple = (None, None, ())
+        self._inputs: tuple = ()
+        # per spec: the padded page table of the last copy, kept so the next copy
+        # rebuilds only the rows whose pages changed
+        self._padded = [PaddedPageTable(spec.pool.null_page) for spec in specs]
+        # the device step state of the last step: (positions, starts, tables), the rows'
+        # positions it stands for, and per spec the tables and their versions it holds
+        self._device: tuple | None = None
+        self._expect = np.zeros(0, dtype=np.int64)
+        self._seen: list[list[PageTable]] = [[] for _ in specs]
+        self._versions: list[list[int]] = [[] for _ in specs]
+        self._drops: list = [None for _ in specs]  # per windowed spec: each table's first_visible()
 
     def _step(self, tokens: mx.array, positions: mx.array, starts: mx.array, *arrays: mx.array):
         """``arrays``: each table kind's device table, then (hybrids) the state slots

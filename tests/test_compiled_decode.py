@@ -256,6 +256,34 @@ def test_rows_that_change_between_steps_give_their_lookahead_back_and_still_matc
     assert compiled.pool.allocator.num_available() == eager.pool.allocator.num_available()
 
 
+def test_a_step_rebound_to_another_batch_gives_the_old_ones_lookahead_back_and_keeps_its_traces():
+    """``rebind`` mid-way: the old batch's lookahead pages go back (its rows stay as they
+    are), and the step decodes the new batch of the same layout as an eager twin of it
+    does, with the traces it has where the batch size and table width are the same."""
+    model, eager, compiled, step = _twins([5, 13, 30])
+    tok = [1, 2, 3]
+    for _ in range(2):
+        tok = _step_both(model, eager, step, tok)
+    assert step.lookahead_pages == 3
+    rows_of = lambda b: [x.tolist() if isinstance(x, np.ndarray) else x for x in snapshot(b)[:3]]  # noqa: E731
+    before = (rows_of(compiled), step.traces)
+    in_use = compiled.pool.allocator.num_in_use()
+    twin = batch_of(model, make_pool("llama", page_size=4, num_pages=96), [6, 14, 29])
+    other = batch_of(model, compiled.pool, [6, 14, 29])
+    other_pages = sum(t.num_pages for t in other.rows.tables(0))
+    step.rebind(other)
+    assert step.lookahead_pages == 0 and step.batch is other
+    assert compiled.pool.allocator.num_in_use() == in_use - 3 + other_pages
+    tok = [4, 5, 6]
+    for _ in range(5):
+        tok = _step_both(model, twin, step, tok)
+    assert rows_of(compiled) == before[0] and step.traces == before[1]
+    for b in (eager, compiled, twin, other):
+        b.release()
+    step.release_lookahead()
+    assert compiled.pool.allocator.num_in_use() == 0
+
+
 def _prompt_row(model, pool, n):
     c = make_paged_cache(model, pool)
     model(mx.array(prompt_of(n, seed=7))[None], cache=c)
@@ -506,10 +534,11 @@ def test_generate_compiles_by_default_only_on_cuda_for_kernel_pages_and_refuses_
     class Chosen(Exception):
         pass
 
-    def spy(*a):
-        raise Chosen  # (the compiled step itself would call the CUDA kernel: not run here)
+    class Spy(CompiledDecode):
+        def __init__(self, *a):
+            raise Chosen  # (the compiled step itself would call the CUDA kernel: not run here)
 
-    monkeypatch.setattr(generation, "CompiledDecode", spy)
+    monkeypatch.setattr(generation, "CompiledDecode", Spy)
     for on_cuda, pages, dtype, chosen in ((True, "fp", mx.float16, True), (False, "fp", mx.float16, False),
                                           (True, "fp", mx.float32, False), (True, "affine8", mx.float16, False)):
         model = make_model("llama")
@@ -532,3 +561,74 @@ def test_generate_compiles_by_default_only_on_cuda_for_kernel_pages_and_refuses_
         with pytest.raises(InvalidTypeError):
             list(generation.generate(model, cache, prompt_of(6), max_tokens=4, compiled="yes"))
         assert cache.num_tokens == 0
+
+
+def test_a_step_passed_to_generate_keeps_its_traces_from_request_to_request_and_each_gives_mlx_lms_tokens():
+    """One ``CompiledDecode`` passed as ``generate``'s ``compiled``: three requests, each
+    on a new cache of the same pool, and a second turn on the last cache. Each gives the
+    tokens of the same loop over mlx-lm's own caches (the second turn continuing the
+    first's cache), the step is traced by the first request only, and after each call
+    no page is held past the caches' tables (the lookahead went back)."""
+    from pagedkv.generation import generate
+
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=128)
+    step = CompiledDecode(model, make_paged_cache(model, pool))
+    traces, caches = [], []
+    for seed in range(3):
+        prompt = prompt_of(9 + 4 * seed, seed=seed + 1)
+        want = list(generate(model, make_prompt_cache(model), prompt, max_tokens=14))
+        caches.append(make_paged_cache(model, pool))
+        assert list(generate(model, caches[-1], prompt, max_tokens=14, compiled=step)) == want
+        assert step.batch is caches[-1] and not step.busy and step.lookahead_pages == 0
+        assert pool.allocator.num_in_use() == sum(t.num_pages for c in caches for t in c.tables)
+        traces.append(step.traces)
+    assert traces[0] >= 1 and traces == [traces[0]] * 3
+    ref = make_prompt_cache(model)
+    first, second = prompt_of(9 + 8, seed=3), prompt_of(5, seed=9)
+    want = [list(generate(model, ref, p, max_tokens=14)) for p in (first, second)]
+    assert list(generate(model, caches[-1], second, max_tokens=14, compiled=step)) == want[1]
+    assert caches[-1].num_tokens == ref[0].offset and step.traces == traces[0]
+    for c in caches:
+        c.release()
+    assert pool.allocator.num_in_use() == 0
+
+
+def test_a_step_for_another_model_or_layout_or_in_use_is_refused_before_anything_is_written():
+    """``generate`` refuses a ``CompiledDecode`` made for another model, or for a cache of
+    another layout (another pool), with ``InvalidValueError`` before the prompt is
+    written; so does a step another ``generate`` loop is still decoding through, until
+    that loop is closed. ``rebind`` refuses the same with nothing changed, and anything
+    but a batch or a one-sequence cache with ``InvalidTypeError``."""
+    from pagedkv import InvalidValueError
+    from pagedkv.generation import generate
+
+    model, other = make_model("llama"), make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=64)
+    step = CompiledDecode(model, make_paged_cache(model, pool))
+    cases = [(other, make_paged_cache(other, pool), "another model"),
+             (model, make_paged_cache(model, make_pool("llama", page_size=4, num_pages=64)), "another layout")]
+    for m, cache, what in cases:
+        with pytest.raises(InvalidValueError, match=what):
+            next(generate(m, cache, prompt_of(6), max_tokens=4, compiled=step))
+        assert cache.num_tokens == 0, what
+    bound = step.batch
+    with pytest.raises(InvalidValueError):
+        step.rebind(cases[1][1])
+    with pytest.raises(InvalidTypeError):
+        step.rebind(make_prompt_cache(model))
+    assert step.batch is bound
+    busy = make_paged_cache(model, pool)
+    running = generate(model, busy, prompt_of(6), max_tokens=20, compiled=step)
+    next(running), next(running)
+    assert step.busy
+    idle = make_paged_cache(model, pool)
+    with pytest.raises(InvalidValueError, match="another generate loop"):
+        next(generate(model, idle, prompt_of(6), max_tokens=4, compiled=step))
+    with pytest.raises(InvalidValueError, match="generate loop"):
+        step.rebind(idle)
+    assert idle.num_tokens == 0 and step.batch is busy
+    running.close()
+    assert not step.busy and step.lookahead_pages == 0
+    assert len(list(generate(model, idle, prompt_of(6), max_tokens=4, compiled=step))) == 4
+    busy.release(), idle.release()
