@@ -61,7 +61,8 @@ def test_a_pool_of_a_round_size_takes_one_row_more_per_head_which_no_page_uses(p
     65 rows a head, so that views into it are never what MLX's CUDA attention misreads
     (``paged_decode.mlx_attention_misreads``). Page p of head h is row h * 65 + p in
     every array of every codec; the extra row stays zero through writes of every
-    page, copies and page loads, and pages read back as written."""
+    page, copies and page loads, and pages read back as written, also into a pool
+    without the extra row."""
     assert [head_rows_for(n, ps) for n, ps in ((64, 4), (63, 4), (16, 16), (17, 16), (3, 256), (2, 128))] == \
         [65, 63, 17, 17, 3, 3]
     pool, plain = pool_of(num_pages=64, page_size=4, pages=pages), pool_of(num_pages=67, page_size=4, pages=pages)
@@ -85,6 +86,10 @@ def test_a_pool_of_a_round_size_takes_one_row_more_per_head_which_no_page_uses(p
             assert rows[:, 1:64].any() == (layer == 0)  # (the cache wrote layer 0)
     read = pool.read_pages(ids[:3])
     assert all(np.array_equal(r[0], r[1]) and np.array_equal(r[0], r[2]) for r in read.values())
+    held = plain.allocator.allocate(3)  # pages as bytes move between pools of other row counts
+    plain.write_pages(held, read)
+    assert all(np.array_equal(a, b) for a, b in zip(plain.read_pages(held).values(), read.values()))
+    plain.allocator.decref(held)
     table.release()
     assert pool.allocator.num_in_use() == 0
 
