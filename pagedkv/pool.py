@@ -8,11 +8,11 @@ head-major::
 
     page p of head h is the contiguous [page_size, head_dim] block K[layer][h * R + p].
 
-R (``rows_per_head``) is ``num_pages``, or one more where ``num_pages * page_size``
-is a multiple of 256 tokens (``head_rows_for``): MLX's CUDA attention misreads a view that starts inside
-rows of such a length (``paged_decode.mlx_attention_misreads``), so a pool of a round
-size would have to gather what it can lend. The extra row belongs to no page id; it is
-never written or read, and ``nbytes`` counts it.
+R (``rows_per_head``) is ``num_pages``, or one more where ``num_pages * page_size`` is a
+multiple of 256 tokens (``head_rows_for``): MLX's CUDA attention misreads a view that
+starts inside rows of such a length (``paged_decode.mlx_attention_misreads``), so a
+pool of a round size would have to gather what it can lend. The extra row belongs to no
+page id; it is never written or read, and ``nbytes`` counts it.
 
 A page id names the same slot in every layer (one allocator for the whole pool, as in
 vLLM), so one page table serves all layers of a sequence. Gathering n pages is one
@@ -89,7 +89,8 @@ def _check_codec(name: str, codec: object, dtype: mx.Dtype) -> PageCodec:
 class PagePool:
     """Fixed-size K/V pages for ``num_layers`` layers, one page-id space, one allocator.
 
-    Give ``num_pages`` directly or a byte budget ``max_bytes`` (K + V of all layers).
+    Give ``num_pages`` directly or a byte budget ``max_bytes`` (K + V of all layers:
+    as many pages as fit, the layout's extra row included; ``rows_per_head``).
     ``dtype`` is the dtype of the K/V written in; ``k_codec``/``v_codec`` say how pages
     store them (default: full precision ``dtype``; see :mod:`pagedkv.codec`). A codec's
     components each get their own page-indexed array with the same row layout.
