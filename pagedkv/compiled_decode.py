@@ -273,6 +273,7 @@ class CompiledDecode:
         self._supply = [np.full(0, -1, dtype=np.int64) for _ in specs]
         self._allocators = [spec.pool.allocator for spec in specs]  # (per spec, as the supply)
         self._finalizer = weakref.finalize(self, _give_back, self._allocators, self._supply)
+        self._inputs: tuple = ()  # (the step's inputs, while a trace runs: _step)
         self._forget_rows()
         self.busy = False  # a generate loop decodes through this object (it refuses a second one)
         self.traces = 0
@@ -308,10 +309,11 @@ class CompiledDecode:
         if not isinstance(batch, (PagedBatch, PagedPromptCache)):
             raise InvalidTypeError(f"batch must be a PagedBatch or a PagedPromptCache, got {type(batch).__name__}")
         if self.busy:
-            raise InvalidValueError("this CompiledDecode is decoding in a generate loop; finish or close it first")
+            raise InvalidValueError("this CompiledDecode is decoding in another generate loop; finish or close "
+                                    "that one first")
         if batch.rows.layout != self.batch.rows.layout:
-            raise InvalidValueError("rebind takes a batch of the same layout (the same pools, table kinds and "
-                                    "layers) as the one this step was made for; make a CompiledDecode for it")
+            raise InvalidValueError("this CompiledDecode was made for a batch of another layout (other pools, "
+                                    "table kinds or layers); make a CompiledDecode for this one")
         self.release_lookahead()
         self.batch = batch
         self._forget_rows()
@@ -323,7 +325,6 @@ class CompiledDecode:
         # a hybrid's state slots on the device, as (read, write) on the host and on the
         # device, kept while the rows' slots stay (they change when a row moves)
         self._slots: tuple = (None, None, ())
-        self._inputs: tuple = ()
         # per spec: the padded page table of the last copy, kept so the next copy
         # rebuilds only the rows whose pages changed
         self._padded = [PaddedPageTable(spec.pool.null_page) for spec in specs]

@@ -122,8 +122,8 @@ def generate(
 
     A ``CompiledDecode`` made for ``model`` (``CompiledDecode(model, cache)``) may be
     passed as ``compiled`` to keep its traces from one call to the next: each call
-    decodes through it, rebound to ``cache`` where it serves another one of the same
-    layout (``CompiledDecode.rebind``; a new request's cache on the same pools, say).
+    rebinds it to ``cache`` (``CompiledDecode.rebind``: a cache of the same layout, a
+    new request's cache on the same pools, say) and decodes through it.
     A call otherwise traces the step anew (about 60 ms for SmolLM2's 30 layers on an
     H100). It holds the last cache it decoded until it is rebound or dropped.
     """
@@ -144,9 +144,7 @@ def generate(
     stats.prefill_s = time.perf_counter() - t
     t = time.perf_counter()
     if isinstance(compiled, CompiledDecode):
-        step = compiled if max_tokens > 1 else None
-        if step is not None and step.batch is not cache:
-            step.rebind(cache)  # (checked to fit by _compiled_for, before the prefill)
+        step = compiled if max_tokens > 1 else None  # (rebound to the cache by _compiled_for)
     else:
         step = CompiledDecode(model, cache) if compiled and max_tokens > 1 else None
     if step is not None:
@@ -209,19 +207,16 @@ def _compiled_for(model, cache, compiled: bool | CompiledDecode | None) -> bool 
     """``generate``'s choice of decode step (see there); a typed error, before anything
     is written, for a value that is not a bool, a ``CompiledDecode`` or None, ``True``
     on a cache the compiled step does not serve, or a ``CompiledDecode`` made for
-    another model or a cache of another layout."""
+    another model or one ``CompiledDecode.rebind`` refuses (a cache of another layout,
+    a step another loop is decoding through). A ``CompiledDecode`` is rebound to
+    ``cache`` here, before the prefill."""
     if isinstance(compiled, CompiledDecode):
         if not isinstance(cache, PagedPromptCache):
             raise InvalidValueError("a CompiledDecode decodes a pagedkv cache of one sequence (make_paged_cache), "
                                     f"got {type(cache).__name__}")
         if compiled.model is not model:
             raise InvalidValueError("the CompiledDecode passed as compiled was made for another model")
-        if compiled.busy:
-            raise InvalidValueError("the CompiledDecode passed as compiled is decoding in another generate loop; "
-                                    "finish or close that one first")
-        if compiled.batch.rows.layout != cache.rows.layout:
-            raise InvalidValueError("the CompiledDecode passed as compiled was made for a cache of another layout "
-                                    "(other pools or table kinds); make one for this cache")
+        compiled.rebind(cache)
         return compiled
     if compiled is not None and not isinstance(compiled, bool):
         raise InvalidTypeError(f"compiled must be a bool, a CompiledDecode or None, got {type(compiled).__name__}")
