@@ -109,9 +109,10 @@ def generate(
 
     ``compiled``: run the decode steps through ``CompiledDecode`` (the step traced once
     per call and page-table width bucket, then replayed), which needs a pagedkv cache of
-    one sequence (``make_paged_cache``). For a model of full-attention layers only, that
-    loop is pipelined: the next step is queued on the device before a token is read (as
-    mlx-lm's ``generate_step``). None (default): compiled where it was measured faster,
+    one sequence (``make_paged_cache``). Without recurrent layers, that loop is
+    pipelined: the next step is queued on the device before a token is read (as
+    mlx-lm's ``generate_step``), except a step that drops a page behind a sliding window
+    (one in a page's worth of a sliding-window model's steps), which runs serially. None (default): compiled where it was measured faster,
     traces included: MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain
     fp16/bf16; 1.18-1.68x the eager loop, bench/RESULTS.md); eager elsewhere (a float32
     or quantised pool, where the compiled step gathers its pages every step, as the
@@ -154,12 +155,14 @@ def generate(
     # Where the loop then stops (an EOS id, or the caller closing it) that step wrote
     # one token the serial loop would not have, and it is trimmed off; an error from
     # queuing it is raised where the serial loop raises it, after token n is yielded.
+    # A step that would drop a page behind a sliding window (one in a page's worth of
+    # steps) runs serially instead: trimming it would not bring the page back.
     ahead = step is not None and _drops_last_token(cache)
     queued, error = False, None
     try:
         for n in range(max_tokens):
             more = n + 1 < max_tokens
-            if ahead and more:
+            if ahead and more and not _next_step_drops_pages(cache):
                 try:
                     upcoming = sample(step(token.reshape(1, 1))[0, -1], temperature)
                     mx.async_eval(upcoming)
@@ -172,9 +175,9 @@ def generate(
             yield tok
             if tok in eos or not more:
                 break
-            if ahead:
-                if error is not None:
-                    raise error
+            if error is not None:
+                raise error
+            if queued:
                 token, queued = upcoming, False
                 continue
             if step is not None:
@@ -195,12 +198,19 @@ def generate(
 
 def _drops_last_token(cache: PagedPromptCache) -> bool:
     """Whether trimming the token a queued step wrote leaves ``cache`` exactly as if the
-    step had not run: no recurrent state (it cannot go back), no sliding window (the
-    step may drop a page behind the window that a trim does not bring back, so the cache
-    would hold a page fewer than the serial loop's), one ``PagedKVCache`` per layer."""
-    layout = cache.rows.layout
-    return not layout.has_windows and layout.state_pool is None and all(
-        isinstance(layer, PagedKVCache) for layer in cache)
+    step had not run, for a step that drops no page behind a sliding window
+    (``_next_step_drops_pages``): no recurrent state (it cannot go back), one
+    ``PagedKVCache`` per layer."""
+    return cache.rows.layout.state_pool is None and all(isinstance(layer, PagedKVCache) for layer in cache)
+
+
+def _next_step_drops_pages(cache: PagedPromptCache) -> bool:
+    """Whether the next one-token step drops a page behind a sliding window: a trim does
+    not bring such a page back, so the cache would hold a page fewer than the serial
+    loop's. O(sliding-window tables)."""
+    rows = cache.rows
+    return any(t.drops_pages_at(t.num_tokens) for s, spec in enumerate(rows.layout.specs)
+               if spec.window is not None for t in rows.tables(s))
 
 
 def _compiled_for(model, cache, compiled: bool | CompiledDecode | None) -> bool | CompiledDecode:

@@ -319,6 +319,12 @@ class PageTable:
         self.version += 1
         return gone
 
+    def drops_pages_at(self, first_query: int) -> bool:
+        """Whether a write whose first query is at ``first_query`` drops pages behind the
+        window (as ``prepare_write`` does). O(1)."""
+        return self.window is not None and \
+            window_start(first_query, self._retain) // self.pool.page_size > self._dropped
+
     def first_visible(self) -> int:
         """First token position whose page is still held (0 without a window)."""
         return self._dropped * self.pool.page_size

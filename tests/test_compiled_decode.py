@@ -418,14 +418,17 @@ def test_one_sequences_cache_decodes_compiled_as_eager_and_ends_in_the_same_plac
     model's too, across its window), and the cache ends where the eager loop's does: the
     same tokens written (the last one yielded is not), the same pages in use (the
     lookahead went back), the same logits from a further eager step. Also when an EOS id
-    stops it early: llama's loop is pipelined (the next step is queued before a token is
-    read), and the step queued past the EOS is trimmed off again; gemma3's (sliding
-    layers) is not."""
+    stops it early: the loop is pipelined (the next step is queued before a token is
+    read), and the step queued past the EOS is trimmed off again; gemma3's steps that
+    drop a page behind its sliding window (one in 4 here) run serially."""
     from tiny_models import greedy
 
-    queued = []
-    real_async_eval = mx.async_eval
+    from pagedkv import generation
+
+    queued, drops = [], []
+    real_async_eval, real_drops = mx.async_eval, generation._next_step_drops_pages
     monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(1), real_async_eval(*a))[1])
+    monkeypatch.setattr(generation, "_next_step_drops_pages", lambda c: (drops.append(real_drops(c)), drops[-1])[1])
     model = make_model(kind)
     prompt = prompt_of(21)
     want = greedy(model, prompt, make_prompt_cache(model), 24)[0]
@@ -434,22 +437,30 @@ def test_one_sequences_cache_decodes_compiled_as_eager_and_ends_in_the_same_plac
     for kw, tokens in ((dict(max_tokens=24), want), (dict(max_tokens=24, eos_ids=[stop]), want[: want.index(stop) + 1])):
         eager = generation_end(model, pool, prompt, False, **kw)
         queued.clear()
+        drops.clear()
         compiled = generation_end(model, pool, prompt, True, **kw)
-        # pipelined: a step queued per token yielded, but past max_tokens (past an EOS: trimmed)
-        assert len(queued) == (len(tokens) - ("eos_ids" not in kw) if kind == "llama" else 0)
+        # pipelined: a step queued per token yielded, but past max_tokens (past an EOS: trimmed),
+        # and but the steps that drop a page
+        assert len(drops) == len(tokens) - ("eos_ids" not in kw)
+        assert len(queued) == len(drops) - sum(drops)
+        assert (sum(drops) > 0) == (kind == "gemma3_text")
         assert eager[0] == compiled[0] == tokens
         assert eager[1:4] == compiled[1:4] == (None, len(prompt) + len(tokens) - 1, eager[3])
         assert mx.allclose(eager[4], compiled[4], atol=LOGITS_ATOL).item()
 
 
-def test_a_sliding_window_generation_closed_at_any_step_ends_where_the_eager_one_does():
+def test_a_sliding_window_generation_closed_at_any_step_ends_where_the_eager_one_does(monkeypatch):
     """gemma3 (window 12, pages of 4): the compiled loop closed after k tokens, for k
     across more than a page's worth of steps, leaves the cache as the eager loop closed
-    at the same token: the same length, pages in use and next logits. (Pipelined, a step
-    queued past the close would drop a page behind the window that trimming it does not
-    bring back: at k = 11 the cache held a page fewer. So such models are not pipelined.)"""
+    at the same token: the same length, pages in use and next logits. (A step queued
+    past the close that dropped a page behind the window would leave the cache a page
+    short, as trimming it does not bring the page back: at k = 11 it did. So the
+    pipelined loop runs such steps serially, and queues the others.)"""
     from pagedkv.generation import generate
 
+    queued = []
+    real_async_eval = mx.async_eval
+    monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(1), real_async_eval(*a))[1])
     model = make_model("gemma3_text")
     pool = make_pool("gemma3_text", page_size=4)
     prompt = prompt_of(21)
@@ -466,6 +477,7 @@ def test_a_sliding_window_generation_closed_at_any_step_ends_where_the_eager_one
         (g0, n0, u0, l0), (g1, n1, u1, l1) = ends
         assert g0 == g1 and n0 == n1 == len(prompt) + k - 1 and u0 == u1, k
         assert mx.allclose(l0, l1, atol=LOGITS_ATOL).item()
+    assert len(queued) > 5 * 6  # (pipelined: most of the 5 runs' 10-14 steps were queued)
 
 
 def test_seeded_sampling_draws_the_same_tokens_through_the_pipelined_loop():

@@ -267,6 +267,26 @@ def test_sliding_table_drops_pages_behind_the_window_and_refuses_deep_trim(pages
     assert pool.allocator.num_in_use() == 0
 
 
+@pytest.mark.parametrize("rewind", [0, 3])
+def test_a_table_says_ahead_which_one_token_writes_drop_pages_behind_its_window(rewind):
+    """``drops_pages_at(num_tokens)`` is True exactly before the writes that drop a page
+    (what the pipelined generation loop runs serially), once per page's worth of
+    tokens past the window; a table without a window never drops one."""
+    pool = pool_of(page_size=4, num_pages=32)
+    t, full = PageTable(pool, window=6, rewind=rewind), PageTable(pool)
+    said = []
+    for _ in range(30):
+        said.append(t.drops_pages_at(t.num_tokens))
+        before = t.first_visible()
+        t.prepare_write(t.num_tokens, 1)
+        assert said[-1] == (t.first_visible() > before)
+        assert not full.drops_pages_at(full.num_tokens)
+        full.prepare_write(full.num_tokens, 1)
+    assert 5 <= sum(said) <= 30 // 4
+    t.release()
+    full.release()
+
+
 def test_page_lookups_name_only_pages_the_table_still_holds():
     pool = pool_of(page_size=4, num_pages=32)
     t = PageTable(pool, window=6)
