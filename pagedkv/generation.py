@@ -157,7 +157,7 @@ def generate(
     # queuing it is raised where the serial loop raises it, after token n is yielded.
     # A step that would drop a page behind a sliding window (one in a page's worth of
     # steps) runs serially instead: trimming it would not bring the page back.
-    ahead = step is not None and _drops_last_token(cache)
+    ahead = step is not None and _can_trim_a_queued_step(cache)
     queued, error = False, None
     try:
         for n in range(max_tokens):
@@ -196,7 +196,7 @@ def generate(
             step.busy = False
 
 
-def _drops_last_token(cache: PagedPromptCache) -> bool:
+def _can_trim_a_queued_step(cache: PagedPromptCache) -> bool:
     """Whether trimming the token a queued step wrote leaves ``cache`` exactly as if the
     step had not run, for a step that drops no page behind a sliding window
     (``_next_step_drops_pages``): no recurrent state (it cannot go back), one
