@@ -111,10 +111,11 @@ def generate(
     per call and page-table width bucket, then replayed), which needs a pagedkv cache of
     one sequence (``make_paged_cache``). Without recurrent layers, that loop is
     pipelined: the next step is queued on the device before a token is read (as
-    mlx-lm's ``generate_step``), except a step that drops a page behind a sliding window
-    (one in a page's worth of a sliding-window model's steps), which runs serially. None (default): compiled where it was measured faster,
-    traces included: MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain
-    fp16/bf16; 1.18-1.68x the eager loop, bench/RESULTS.md); eager elsewhere (a float32
+    mlx-lm's ``generate_step``), except a step that drops a page behind a sliding
+    window (one in a page's worth of a sliding-window model's steps), which runs
+    serially. None (default): compiled where it was measured faster, traces included:
+    MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain fp16/bf16;
+    1.18-1.68x the eager loop, bench/RESULTS.md); eager elsewhere (a float32
     or quantised pool, where the compiled step gathers its pages every step, as the
     demo's SmolLM2 showed; a CPU; other caches). The cache ends up the same either way:
     the prompt and every yielded token but the last, written (a step queued past the end

@@ -439,8 +439,8 @@ def test_one_sequences_cache_decodes_compiled_as_eager_and_ends_in_the_same_plac
         queued.clear()
         drops.clear()
         compiled = generation_end(model, pool, prompt, True, **kw)
-        # pipelined: a step queued per token yielded, but past max_tokens (past an EOS: trimmed),
-        # and but the steps that drop a page
+        # pipelined: a step queued per token yielded but the last (past an EOS: trimmed off),
+        # except the steps that drop a page behind the window
         assert len(drops) == len(tokens) - ("eos_ids" not in kw)
         assert len(queued) == len(drops) - sum(drops)
         assert (sum(drops) > 0) == (kind == "gemma3_text")
