@@ -449,25 +449,28 @@ def test_one_sequences_cache_decodes_compiled_as_eager_and_ends_in_the_same_plac
         assert mx.allclose(eager[4], compiled[4], atol=LOGITS_ATOL).item()
 
 
-def test_a_sliding_window_generation_closed_at_any_step_ends_where_the_eager_one_does(monkeypatch):
-    """gemma3 (window 12, pages of 4): the compiled loop closed after k tokens, for k
-    across more than a page's worth of steps, leaves the cache as the eager loop closed
-    at the same token: the same length, pages in use and next logits. (A step queued
-    past the close that dropped a page behind the window would leave the cache a page
-    short, as trimming it does not bring the page back: at k = 11 it did. So the
-    pipelined loop runs such steps serially, and queues the others.)"""
+@pytest.mark.parametrize("page_size,rewind", [(4, 0), (3, 2)])
+def test_a_sliding_window_generation_closed_at_any_step_ends_where_the_eager_one_does(monkeypatch, page_size,
+                                                                                       rewind):
+    """gemma3 (window 12; pages of 4, or of 3 with ``rewind`` 2 tokens kept behind the
+    window): the compiled loop closed after k tokens, for k across more than a page's
+    worth of steps, leaves the cache as the eager loop closed at the same token: the
+    same length, pages in use and next logits. (A step queued past the close that
+    dropped a page behind the window would leave the cache a page short, as trimming it
+    does not bring the page back: with pages of 4, at k = 11 it did. So the pipelined
+    loop runs such steps serially, and queues the others.)"""
     from pagedkv.generation import generate
 
     queued = []
     real_async_eval = mx.async_eval
     monkeypatch.setattr(mx, "async_eval", lambda *a: (queued.append(1), real_async_eval(*a))[1])
     model = make_model("gemma3_text")
-    pool = make_pool("gemma3_text", page_size=4)
+    pool = make_pool("gemma3_text", page_size=page_size)
     prompt = prompt_of(21)
     for k in range(10, 15):
         ends = []
         for compiled in (False, True):
-            cache = make_paged_cache(model, pool)
+            cache = make_paged_cache(model, pool, rewind=rewind)
             tokens = generate(model, cache, prompt, max_tokens=40, compiled=compiled)
             got = [next(tokens) for _ in range(k)]
             tokens.close()
