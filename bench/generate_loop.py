@@ -12,7 +12,8 @@ copies to the device). Sides, each on a fresh cache with the same prompt:
   step is queued before a token is read) on its own ``KVCache`` list;
 * ``eager``: ``make_paged_cache``, ``generate(..., compiled=False)``;
 * ``compiled``: the same with ``compiled=True`` (``CompiledDecode`` over the cache;
-  pipelined for full-attention models, serial for gemma3's sliding layers);
+  pipelined without recurrent layers, but for the steps that drop a page behind a
+  sliding window);
 * ``kept``: the same with one ``CompiledDecode`` passed as ``compiled`` from request to
   request (``CompiledDecode.rebind``): each request on a fresh cache of one pool, the
   step traced by a request before the timed ones. ``compiled`` against ``kept`` is

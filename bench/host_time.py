@@ -24,9 +24,10 @@ P tokens (in 512-token forwards), then runs ``--steps`` decode forwards. Per for
 The two sides' steps alternate, so drift on a shared machine hits both; build time is
 the main thread's CPU time. The pool holds just the run's pages unless ``--pool-pages``
 gives a count (a round one, such as 1024, is what bench/RESULTS.md measured against
-MLX's CUDA attention's misreads: ``PagePool.rows_per_head``). Then tokens/s of mlx-lm's ``generate_step`` (its pipelined
-loop, ``mx.async_eval``) on a fresh cache of each side, one after the other. ``--rounds``
-rounds (3): printed are the round with the median build ratio (its medians per step, and
+MLX's CUDA attention's misreads: ``PagePool.rows_per_head``). Then tokens/s of mlx-lm's
+``generate_step`` (its pipelined loop, ``mx.async_eval``) on a fresh cache of each
+side, one after the other. ``--rounds`` rounds (3): printed are the round with the
+median build ratio (its medians per step, and
 pagedkv's extra host time per layer) and the median of the rounds' generate ratios.
 """
 

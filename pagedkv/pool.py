@@ -531,7 +531,8 @@ def head_rows_for(num_pages: int, page_size: int) -> int:
     multiple of ``paged_decode.MLX_DECODE_SLICE_TOKENS`` (256), so that a view into the
     rows is never one MLX's CUDA attention misreads (``mlx_attention_misreads``). One
     more is always enough: the two counts' tokens differ by ``page_size``, not a
-    multiple of 256. None where ``page_size`` is a multiple of 256, as no count helps."""
+    multiple of 256. ``num_pages`` where ``page_size`` is a multiple of 256, as no
+    count helps there."""
     tokens = paged_decode.MLX_DECODE_SLICE_TOKENS
     if num_pages * page_size % tokens or page_size % tokens == 0:
         return num_pages

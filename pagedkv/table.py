@@ -308,9 +308,7 @@ class PageTable:
         returns their ids (the caller gives their references back)."""
         if self.window is None:
             return _NO_PAGES
-        # pages before the one holding the earliest key a query from ``first_query`` on
-        # sees (or ``rewind`` tokens before it)
-        droppable = window_start(first_query, self._retain) // self.pool.page_size
+        droppable = self._droppable(first_query)
         if droppable <= self._dropped:
             return _NO_PAGES
         gone = self._pages[self._dropped : droppable].copy()
@@ -319,11 +317,16 @@ class PageTable:
         self.version += 1
         return gone
 
+    def _droppable(self, first_query: int) -> int:
+        """Pages before the one holding the earliest key a query from ``first_query`` on
+        sees (or ``rewind`` tokens before it): a write there drops those still held. A
+        windowed table only. O(1)."""
+        return window_start(first_query, self._retain) // self.pool.page_size
+
     def drops_pages_at(self, first_query: int) -> bool:
         """Whether a write whose first query is at ``first_query`` drops pages behind the
         window (as ``prepare_write`` does). O(1)."""
-        return self.window is not None and \
-            window_start(first_query, self._retain) // self.pool.page_size > self._dropped
+        return self.window is not None and self._droppable(first_query) > self._dropped
 
     def first_visible(self) -> int:
         """First token position whose page is still held (0 without a window)."""
