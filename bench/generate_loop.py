@@ -10,7 +10,8 @@ copies to the device). Sides, each on a fresh cache with the same prompt:
 
 * ``mlx-lm``: what a user of mlx-lm gets: its own ``generate_step`` (pipelined: the next
   step is queued before a token is read) on its own ``KVCache`` list;
-* ``eager``: ``make_paged_cache``, ``generate(..., compiled=False)``;
+* ``eager``: ``make_paged_cache``, ``generate(..., compiled=False)`` (pipelined, as
+  ``compiled``);
 * ``compiled``: the same with ``compiled=True`` (``CompiledDecode`` over the cache;
   pipelined without recurrent layers, but for the steps that drop a page behind a
   sliding window);

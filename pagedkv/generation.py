@@ -2,12 +2,14 @@
 
 The demo, the examples and the benchmarks use this one loop for both pagedkv's caches
 and mlx-lm's, so comparisons differ only in the cache. On a pagedkv cache of one
-sequence the loop's decode steps can run through ``CompiledDecode`` instead (by
-default on CUDA, for pages the decode kernel reads: ``generate``'s ``compiled``).
+sequence the loop is pipelined (the next step queued before a token is read), and its
+decode steps can run through ``CompiledDecode`` (by default on CUDA, for pages the
+decode kernel reads: ``generate``'s ``compiled``).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Iterable, Iterator
 
@@ -107,13 +109,15 @@ def generate(
     is filled in as the loop runs. Bad arguments (token ids outside the model's
     vocabulary included) raise a typed error before anything is written to ``cache``.
 
+    On a pagedkv cache of one sequence (``make_paged_cache``) without recurrent layers,
+    the loop is pipelined, eager or compiled: the next step is queued on the device
+    before a token is read (as mlx-lm's ``generate_step``), except a step that drops a
+    page behind a sliding window (one in a page's worth of a sliding-window model's
+    steps), which runs serially. Other caches (mlx-lm's, a hybrid model's) run serially.
+
     ``compiled``: run the decode steps through ``CompiledDecode`` (the step traced once
     per call and page-table width bucket, then replayed), which needs a pagedkv cache of
-    one sequence (``make_paged_cache``). Without recurrent layers, that loop is
-    pipelined: the next step is queued on the device before a token is read (as
-    mlx-lm's ``generate_step``), except a step that drops a page behind a sliding
-    window (one in a page's worth of a sliding-window model's steps), which runs
-    serially. None (default): compiled where it was measured faster, traces included:
+    one sequence. None (default): compiled where it was measured faster, traces included:
     MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain fp16/bf16;
     1.18-1.68x the eager loop, bench/RESULTS.md); eager elsewhere (a float32
     or quantised pool, where the compiled step gathers its pages every step, as the
@@ -146,19 +150,20 @@ def generate(
     stats.prefill_s = time.perf_counter() - t
     t = time.perf_counter()
     if isinstance(compiled, CompiledDecode):
-        step = compiled if max_tokens > 1 else None  # (rebound to the cache by _compiled_for)
+        kept = compiled if max_tokens > 1 else None  # (rebound to the cache by _compiled_for)
     else:
-        step = CompiledDecode(model, cache) if compiled and max_tokens > 1 else None
-    if step is not None:
-        step.busy = True
-    # Pipelined (compiled, where the cache can drop its last token again): step n + 1 is
-    # queued on the device, fed token n still lazy, before token n is read and yielded.
+        kept = CompiledDecode(model, cache) if compiled and max_tokens > 1 else None
+    if kept is not None:
+        kept.busy = True
+    step = kept if kept is not None else functools.partial(model, cache=cache)
+    # Pipelined (where the cache can drop its last token again): step n + 1 is queued on
+    # the device, fed token n still lazy, before token n is read and yielded.
     # Where the loop then stops (an EOS id, or the caller closing it) that step wrote
     # one token the serial loop would not have, and it is trimmed off; an error from
     # queuing it is raised where the serial loop raises it, after token n is yielded.
     # A step that would drop a page behind a sliding window (one in a page's worth of
     # steps) runs serially instead: trimming it would not bring the page back.
-    ahead = step is not None and _can_trim_a_queued_step(cache)
+    ahead = max_tokens > 1 and _can_trim_a_queued_step(cache)
     queued, error = False, None
     try:
         for n in range(max_tokens):
@@ -181,10 +186,7 @@ def generate(
             if queued:
                 token, queued = upcoming, False
                 continue
-            if step is not None:
-                logits = step(mx.array([[tok]]))[0, -1]
-            else:
-                logits = model(mx.array([[tok]]), cache=cache)[0, -1]
+            logits = step(mx.array([[tok]]))[0, -1]
             token = sample(logits, temperature)
             mx.eval(token)
         stats.decode_s = time.perf_counter() - t
@@ -192,17 +194,18 @@ def generate(
         if queued:  # the queued step wrote the last token yielded: as the serial loop, keep it out
             for layer in cache:
                 layer.trim(1)
-        if step is not None:
-            step.release_lookahead()
-            step.busy = False
+        if kept is not None:
+            kept.release_lookahead()
+            kept.busy = False
 
 
-def _can_trim_a_queued_step(cache: PagedPromptCache) -> bool:
+def _can_trim_a_queued_step(cache) -> bool:
     """Whether trimming the token a queued step wrote leaves ``cache`` exactly as if the
     step had not run, for a step that drops no page behind a sliding window
-    (``_next_step_drops_pages``): no recurrent state (it cannot go back), one
-    ``PagedKVCache`` per layer."""
-    return cache.rows.layout.state_pool is None and all(isinstance(layer, PagedKVCache) for layer in cache)
+    (``_next_step_drops_pages``): a pagedkv cache of one sequence with no recurrent
+    state (it cannot go back), one ``PagedKVCache`` per layer."""
+    return (isinstance(cache, PagedPromptCache) and cache.rows.layout.state_pool is None
+            and all(isinstance(layer, PagedKVCache) for layer in cache))
 
 
 def _next_step_drops_pages(cache: PagedPromptCache) -> bool:
