@@ -119,7 +119,7 @@ def generate(
     per call and page-table width bucket, then replayed), which needs a pagedkv cache of
     one sequence. None (default): compiled where it was measured faster, traces included:
     MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain fp16/bf16;
-    1.18-1.68x the eager loop, bench/RESULTS.md); eager elsewhere (a float32
+    1.11-1.66x the pipelined eager loop on an H100, bench/RESULTS.md); eager elsewhere (a float32
     or quantised pool, where the compiled step gathers its pages every step, as the
     demo's SmolLM2 showed; a CPU; other caches). The cache ends up the same either way:
     the prompt and every yielded token but the last, written (a step queued past the end
