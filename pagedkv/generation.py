@@ -23,6 +23,11 @@ from pagedkv.errors import InvalidTypeError, InvalidValueError, check_int
 from pagedkv.kernels import paged_decode
 from pagedkv.model_config import check_token_ids, text_config
 
+COMPILE_FROM_TOKENS = 32
+"""``generate``'s default decodes through ``CompiledDecode`` (where it does at all) only
+for ``max_tokens`` of at least this many: below it the step's trace costs more than its
+steps save (bench/RESULTS.md)."""
+
 
 @attrs.define
 class GenerationStats:
@@ -118,10 +123,12 @@ def generate(
     ``compiled``: run the decode steps through ``CompiledDecode`` (the step traced once
     per call and page-table width bucket, then replayed), which needs a pagedkv cache of
     one sequence. None (default): compiled where it was measured faster, traces included:
-    MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain fp16/bf16;
-    1.11-1.66x the pipelined eager loop on an H100, bench/RESULTS.md); eager elsewhere (a float32
-    or quantised pool, where the compiled step gathers its pages every step, as the
-    demo's SmolLM2 showed; a CPU; other caches). The cache ends up the same either way:
+    MLX on a CUDA GPU with pages the CUDA decode kernel reads (plain fp16/bf16), for
+    ``max_tokens`` of at least ``COMPILE_FROM_TOKENS`` (32: 1.11-1.66x the pipelined
+    eager loop on an H100 at 32 and 128 tokens, but 0.79-1.05x at 8, where the trace is
+    not paid back; bench/RESULTS.md); eager elsewhere (a float32 or quantised pool,
+    where the compiled step gathers its pages every step, as the demo's SmolLM2 showed;
+    a CPU; other caches; shorter generations). The cache ends up the same either way:
     the prompt and every yielded token but the last, written (a step queued past the end
     is trimmed off), and an error is raised after the same tokens. The compiled step's
     lookahead pages go back when the loop ends (or the generator is closed).
@@ -138,7 +145,7 @@ def generate(
         raise InvalidValueError("prompt must hold at least one token")
     max_tokens = check_int("max_tokens", max_tokens, minimum=0)
     prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1)
-    compiled = _compiled_for(model, cache, compiled)
+    compiled = _compiled_for(model, cache, compiled, max_tokens)
     eos = set(eos_ids)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
@@ -217,7 +224,8 @@ def _next_step_drops_pages(cache: PagedPromptCache) -> bool:
                if spec.window is not None for t in rows.tables(s))
 
 
-def _compiled_for(model, cache, compiled: bool | CompiledDecode | None) -> bool | CompiledDecode:
+def _compiled_for(model, cache, compiled: bool | CompiledDecode | None,
+                  max_tokens: int) -> bool | CompiledDecode:
     """``generate``'s choice of decode step (see there); a typed error, before anything
     is written, for a value that is not a bool, a ``CompiledDecode`` or None, ``True``
     on a cache the compiled step does not serve, or a ``CompiledDecode`` made for
@@ -239,6 +247,6 @@ def _compiled_for(model, cache, compiled: bool | CompiledDecode | None) -> bool 
         raise InvalidValueError("compiled=True needs a pagedkv cache of one sequence (make_paged_cache), "
                                 f"got {type(cache).__name__}")
     if compiled is None:
-        return paged and paged_decode.available() and all(
+        return paged and max_tokens >= COMPILE_FROM_TOKENS and paged_decode.available() and all(
             spec.pool.kind.decode_kernel for spec in cache.rows.layout.specs)
     return compiled

@@ -418,8 +418,10 @@ def test_a_generation_closed_early_gives_the_compiled_steps_lookahead_back():
 
 def test_generate_compiles_by_default_only_on_cuda_for_kernel_pages_and_refuses_other_caches(monkeypatch):
     """``compiled=None`` takes the compiled step only where MLX runs on CUDA (made to look
-    so here) and every pool holds pages the CUDA decode kernel reads (plain fp16/bf16):
-    not on the CPU, not for float32 or quantised pages, never for mlx-lm's cache.
+    so here), every pool holds pages the CUDA decode kernel reads (plain fp16/bf16) and
+    ``max_tokens`` is at least ``COMPILE_FROM_TOKENS`` (a shorter generation does not pay
+    the trace back): not on the CPU, not for float32 or quantised pages, not for 31
+    tokens, never for mlx-lm's cache.
     ``compiled=True`` on mlx-lm's own cache, or a value that is neither a bool nor None,
     is a typed error before anything is written."""
     import types
@@ -434,18 +436,20 @@ def test_generate_compiles_by_default_only_on_cuda_for_kernel_pages_and_refuses_
             raise Chosen  # (the compiled step itself would call the CUDA kernel: not run here)
 
     monkeypatch.setattr(generation, "CompiledDecode", Spy)
-    for on_cuda, pages, dtype, chosen in ((True, "fp", mx.float16, True), (False, "fp", mx.float16, False),
-                                          (True, "fp", mx.float32, False), (True, "affine8", mx.float16, False)):
+    assert generation.COMPILE_FROM_TOKENS == 32
+    for on_cuda, pages, dtype, n, chosen in ((True, "fp", mx.float16, 32, True), (True, "fp", mx.float16, 31, False),
+                                             (False, "fp", mx.float16, 32, False), (True, "fp", mx.float32, 32, False),
+                                             (True, "affine8", mx.float16, 32, False)):
         model = make_model("llama")
         model.set_dtype(dtype)
         # (only generate's view of the device: the model's own steps stay on the CPU's path)
         monkeypatch.setattr(generation, "paged_decode", types.SimpleNamespace(available=lambda on_cuda=on_cuda: on_cuda))
         with make_paged_cache(model, make_pool("llama", page_size=4, pages=pages, dtype=dtype)) as cache:
             try:
-                got = len(list(generation.generate(model, cache, prompt_of(6), max_tokens=4)))
+                got = len(list(generation.generate(model, cache, prompt_of(6), max_tokens=n)))
             except Chosen:
                 got = "compiled"
-            assert got == ("compiled" if chosen else 4), (on_cuda, pages, dtype)
+            assert got == ("compiled" if chosen else n), (on_cuda, pages, dtype, n)
         ref = make_prompt_cache(model)  # (mlx-lm's cache: eager whatever the device)
         assert len(list(generation.generate(model, ref, prompt_of(6), max_tokens=4))) == 4
     ref = make_prompt_cache(model)
