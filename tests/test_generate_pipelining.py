@@ -129,14 +129,16 @@ def test_seeded_sampling_draws_the_same_tokens_through_the_pipelined_loop(monkey
 
 
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
-def test_a_pool_that_runs_out_mid_generation_stops_the_pipelined_loop_where_it_stops_the_serial_one(mode,
+@pytest.mark.parametrize("kind, pages", [("llama", 8), ("gemma3_text", 12)])
+def test_a_pool_that_runs_out_mid_generation_stops_the_pipelined_loop_where_it_stops_the_serial_one(kind, pages, mode,
                                                                                                    monkeypatch):
     """A pool too small for the whole generation: the pipelined loop yields the tokens
     the serial loop yields, then raises ``PoolExhausted`` after the same token (the
-    queued step's error waits for it), with the cache holding the same tokens and pages."""
-    model = make_model("llama")
+    queued step's error waits for it), with the cache holding the same tokens and pages.
+    (gemma3: its sliding and full-attention tables both take pages from the pool.)"""
+    model = make_model(kind)
     prompt = prompt_of(10)
-    pool = make_pool("llama", page_size=4, num_pages=8)  # 7 usable pages: 28 tokens
+    pool = make_pool(kind, page_size=4, num_pages=pages)  # (llama: 7 usable pages, 28 tokens)
     serial = run(model, pool, prompt, "serial", monkeypatch, max_tokens=40)
     piped = run(model, pool, prompt, mode, monkeypatch, max_tokens=40)
     assert serial[1] is PoolExhausted and len(serial[0]) > 1
