@@ -27,8 +27,8 @@ gives a count (a round one, such as 1024, is what bench/RESULTS.md measured agai
 MLX's CUDA attention's misreads: ``PagePool.rows_per_head``). Then tokens/s of mlx-lm's
 ``generate_step`` (its pipelined loop, ``mx.async_eval``) on a fresh cache of each
 side, one after the other. ``--rounds`` rounds (3): printed are the round with the
-median build ratio (its medians per step, and
-pagedkv's extra host time per layer) and the median of the rounds' generate ratios.
+median build ratio (its medians per step, and pagedkv's extra host time per layer) and
+the median of the rounds' generate ratios.
 """
 
 from __future__ import annotations

@@ -69,9 +69,9 @@ def test_a_pipelined_loop_gives_mlx_lms_tokens_and_ends_where_the_serial_loop_do
                                                                                   monkeypatch):
     """To its last token and stopped by an EOS id (the step queued past it is trimmed
     off): mlx-lm's greedy tokens (a sliding-window model's too, across its window;
-    quantised pages: the serial loop's), and the serial loop's cache. Every step is queued but the last and, for gemma3 (window
-    of 3 pages of 4), the ones that drop a page behind the window. Quantised pages are
-    read by a gather the next step's writes settle first."""
+    quantised pages: the serial loop's), and the serial loop's cache. Every step is
+    queued but the last and, for gemma3 (window of 3 pages of 4), the ones that drop a
+    page behind the window. Quantised pages are read by gathers, not views of the pool."""
     queued, drops = counted
     model = make_model(kind)
     prompt = prompt_of(21)
