@@ -60,8 +60,9 @@ class LayerFace:
         self.layer = layer
         self.pool_layer = rows.layout.layers[layer][1]
         self.pool = rows.pool_of(layer)
-        # the last fetch: (read, weak references to what update_and_fetch returned, lent,
-        # attended: its attention took it); checked at the next fetch (see there)
+        # the last fetch: (read, weak references to what update_and_fetch returned: K's
+        # components then V's, lent, attended: its attention took it, how many of the
+        # references are K's); checked at the next fetch (see there)
         self._fetched = None
         self._lent_and_held = False  # a caller kept lent views: copies from then on
         kind = self.pool.kind
@@ -89,7 +90,7 @@ class LayerFace:
         pools), so this returns copies there. O(1) more than the write."""
         lends, last = False, self._fetched
         if last is not None:  # the previous fetch: went to attend, and dropped?
-            held = any(r() is not None for p in last[1] for r in p)
+            held = any([r() is not None for r in last[1]])
             if held and last[2]:
                 self._lent_and_held = True
             lends = last[3] and not held and not self._lent_and_held
@@ -99,8 +100,9 @@ class LayerFace:
         lent = parts is not None
         if not lent:
             parts = read.parts(self.pool_layer, self.exact)
-        self._fetched = (read, [[weakref.ref(x) for x in p] for p in parts], lent, False)
-        return self.pool.kind.model_inputs(*parts)
+        k_parts, v_parts = parts
+        self._fetched = (read, [weakref.ref(x) for x in (*k_parts, *v_parts)], lent, False, len(k_parts))
+        return self.pool.kind.model_inputs(k_parts, v_parts)
 
     def storage(self) -> list[mx.array]:
         """What to evaluate to settle this layer's writes (``PagePool.written``)."""
@@ -125,10 +127,11 @@ class LayerFace:
         fetched, parts, lent = self._fetched, None, False
         read = self.rows.visible_read(self.layer)
         if fetched is not None and not fetched[3] and fetched[0] is read:
-            self._fetched = (*fetched[:3], True)
-            parts = tuple(tuple(r() for r in p) for p in fetched[1])
-            parts = None if any(x is None for p in parts for x in p) else parts
-            lent = parts is not None and fetched[2]
+            self._fetched = (*fetched[:3], True, fetched[4])
+            arrays = [r() for r in fetched[1]]
+            if all([x is not None for x in arrays]):
+                parts = (tuple(arrays[: fetched[4]]), tuple(arrays[fetched[4]:]))
+                lent = fetched[2]
         return self.rows.attend(self.layer, queries, scale, mask, self.rows.owns_mask(self.layer, mask),
                                 self.exact, parts, sinks, borrow=not lent, read=read)
 

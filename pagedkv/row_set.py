@@ -209,11 +209,11 @@ class RowSet:
         self._masks: dict[int, mx.array] = {}  # per spec: the last mask ``mask`` made
         # The open step (none while the journal is empty): (commit, undo) of each change
         # it made to the tables (a BatchAppend, or one table's UndoRecord), in order; the
-        # specs it grew; where it started; each written layer's positions before it; how
-        # many layers write it in all.
+        # specs it grew; where it started and ends (read-only: ``write`` hands the start
+        # out); each written layer's positions before it; how many layers write it in all.
         self._journal: list = []
         self._step_specs: set[int] = set()
-        self._step_from = np.zeros(0, dtype=np.int64)
+        self._step_from = self._step_to = np.zeros(0, dtype=np.int64)
         self._step_key = b""
         self._step_count = 0
         self._saved: dict[int, tuple[np.ndarray, np.ndarray]] = {}
@@ -406,20 +406,31 @@ class RowSet:
     # ------------------------------------------------------------------ one layer's step
     def write(self, layer: int, keys: mx.array, values: mx.array) -> np.ndarray:
         """Append [B, kv_heads, T, D] keys/values of ``layer`` at every row's position;
-        returns the rows' positions before the write (validated first; atomic)."""
+        returns the rows' positions before the write, for reading (a later layer of the
+        open step gets the step's own array, read-only). Validated first; atomic. A later
+        layer of the open step, the common case, costs the write, a comparison of its
+        positions with the step's and one small copy for a rollback."""
         self.check_alive()
-        start = self.offsets[layer].copy()
+        spec, pool_layer = self.layout.layers[layer]
+        row = self.offsets[layer]
+        end = None
         try:
             count = self.check_kv(layer, keys, values)
-            self._prepare(layer, start, count)
-            spec, pool_layer = self.layout.layers[layer]
-            pool = self.layout.specs[spec].pool
+            if spec in self._step_specs and layer not in self._saved and count == self._step_count \
+                    and row.tobytes() == self._step_key:
+                # the common case: a later layer of the open step, whose pages are reserved;
+                # it starts and ends where the step does (saved for a rollback)
+                start, end = self._step_from, self._step_to
+                self._saved[layer] = (start, self.step_starts[layer].copy())
+            else:
+                start = row.copy()
+                self._prepare(layer, start, count)
             rows, slots = self.write_index(spec, start, count)
-            pool.write_checked(pool_layer, rows, slots, keys, values)  # (indexed as they come)
+            self.layout.specs[spec].pool.write_checked(pool_layer, rows, slots, keys, values)  # (indexed as they come)
         except BaseException:
             self._abort_write(layer)
             raise
-        self.offsets[layer] = start + count
+        row[:] = start + count if end is None else end
         self.step_starts[layer] = start
         self._close_if_done()
         return start
@@ -519,12 +530,16 @@ class RowSet:
     def check_kv(self, layer: int, keys: mx.array, values: mx.array) -> int:
         """Raise a typed error unless ``keys``/``values`` fit a write of ``layer`` (one
         [kv_heads, T, D] block per row); returns T. Changes nothing."""
-        b = self.num_rows
+        b = self.offsets.shape[1]
         if b == 0:
             raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
-        if b == 1 and getattr(keys, "ndim", 0) == 4 and keys.shape[0] != 1:
-            raise NotSupportedError(f"a one-sequence cache takes batch 1, got {keys.shape[0]} (use PagedBatch)")
-        return self.pool_of(layer).check_kv(keys, values, rows=b)
+        try:
+            return self.layout.specs[self.layout.layers[layer][0]].pool.check_kv(keys, values, rows=b)
+        except KvShapeError:
+            if b == 1 and getattr(keys, "ndim", 0) == 4 and keys.shape[0] != 1:
+                raise NotSupportedError(f"a one-sequence cache takes batch 1, got {keys.shape[0]} (use PagedBatch)") \
+                    from None
+            raise
 
     def _continues_step(self, start: np.ndarray, count: int) -> bool:
         """A write of ``count`` tokens per row at ``start`` belongs to the open step."""
@@ -533,9 +548,6 @@ class RowSet:
     def _prepare(self, layer: int, start: np.ndarray, count: int) -> None:
         """Make tokens [start, start + count) of every row of ``layer``'s tables writable."""
         spec = self.layout.layers[layer][0]
-        if spec in self._step_specs and layer not in self._saved and self._continues_step(start, count):
-            self._saved[layer] = (self.offsets[layer].copy(), self.step_starts[layer].copy())
-            return  # the common case: a later layer of the open step, whose pages are reserved
         tables = self._tables[spec]
         lengths = np.fromiter((t.num_tokens for t in tables), np.int64, len(tables))
         if (start + count > lengths).any():
@@ -619,6 +631,8 @@ class RowSet:
             self._journal.append((functools.partial(t.commit, records[0]), functools.partial(t.undo, records[0])))
         self._step_specs = set(growing)
         self._step_from = start.copy()
+        self._step_to = start + count
+        self._step_from.flags.writeable = self._step_to.flags.writeable = False  # (handed out by ``write``)
         self._step_key = start.tobytes()  # (int64 [B], as ``offsets`` rows: compared per layer)
         self._step_count = count
         self._writers = self.layout.num_slots if len(growing) == len(self._tables) else \

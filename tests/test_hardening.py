@@ -99,21 +99,61 @@ def test_a_step_that_cannot_get_pages_for_every_layer_writes_no_layer():
     assert [x.offset for x in c] == [0, 0]
 
 
-def test_a_later_layer_with_bad_input_rolls_the_whole_step_back():
-    p = P(num_layers=2, num_pages=16)
-    c = make_paged_cache(SlidingThenFull(), p)
-    for layer in range(2):
+@pytest.mark.parametrize("model", [SlidingThenFull(), M(3)], ids=["sliding then full", "three layers"])
+def test_a_later_layer_with_bad_input_rolls_the_whole_step_back(model):
+    """The bad layer is the step's last: the first layer opened the step, and with three
+    layers a later one wrote its share too."""
+    n = len(model.layers)
+    p = P(num_layers=n, num_pages=16)
+    c = make_paged_cache(model, p)
+    for layer in range(n):
         c[layer].update_and_fetch(*t(1, 3))
     before = state_of(p, c, arrays=False)
-    c[0].update_and_fetch(*t(2, 2))
+    for layer in range(n - 1):
+        c[layer].update_and_fetch(*t(2, 2))
     with pytest.raises(KvDTypeError):
-        c[1].update_and_fetch(*(x.astype(mx.float16) for x in t(2, 2)))
+        c[n - 1].update_and_fetch(*(x.astype(mx.float16) for x in t(2, 2)))
     after = state_of(p, c, arrays=False)
     assert after[2] == before[2]  # tables and every layer's position
     assert after[0][1:] == before[0][1:]  # page states, counts, LRU, free list
-    for layer in range(2):  # and the step runs again as if it never started
+    for layer in range(n):  # and the step runs again as if it never started
         c[layer].update_and_fetch(*t(3, 2))
         assert keys_of(c[layer]) == [1, 1, 1, 3, 3]
+
+
+def test_the_positions_a_write_returns_cannot_move_the_step():
+    p = P(num_layers=3, num_pages=16)
+    c = make_paged_cache(M(3), p)
+    starts = [c.rows.write(layer, *t(1, 3)) for layer in range(3)]
+    starts += [c.rows.write(layer, *t(2)) for layer in range(2)]  # the last layer of the step is to come
+    assert [s.tolist() for s in starts] == [[0]] * 3 + [[3]] * 2
+    for s in starts:  # each a copy, or the step's own positions, read-only
+        if s.flags.writeable:
+            s[:] = 99
+        else:
+            with pytest.raises(ValueError):
+                s[:] = 99
+    assert c.rows.write(2, *t(2)).tolist() == [3]
+    assert c.rows.offsets.tolist() == [[4]] * 3 and c.rows.step_starts.tolist() == [[3]] * 3
+    for layer in range(3):
+        c[layer].update_and_fetch(*t(3))
+        assert keys_of(c[layer]) == [1, 1, 1, 2, 3]
+
+
+def test_a_one_sequence_cache_refuses_a_batch_of_two_at_any_layer_and_changes_nothing():
+    p = P(num_layers=2, num_pages=16)
+    c = make_paged_cache(M(2), p)
+    for layer in range(2):
+        c[layer].update_and_fetch(*t(1, 3))
+    two = (mx.zeros((2, 1, 1, 4)),) * 2
+    before = state_of(p, c)
+    with pytest.raises(NotSupportedError, match="PagedBatch"):
+        c[0].update_and_fetch(*two)
+    assert state_of(p, c) == before
+    c[0].update_and_fetch(*t(2))
+    with pytest.raises(NotSupportedError, match="PagedBatch"):
+        c[1].update_and_fetch(*two)  # a later layer: the step is taken back
+    assert state_of(p, c, arrays=False)[::2] == before[::2]
 
 
 # 3, 10, and the quantised reference matrix live in test_quantized_reference.py

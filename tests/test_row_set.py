@@ -166,7 +166,7 @@ def test_a_routed_step_builds_no_gather_once_its_layers_fetches_go_to_attention(
         for t in (5, 6):
             mx.eval(model(mx.array([[t]]), cache=cache))
         assert sorted(gathers) == [0, 1, 2]  # the first such step still lends; then copies
-        assert all(r() is None for c in cache for p in c._fetched[1] for r in p)  # only weak references
+        assert all(r() is None for c in cache for r in c._fetched[1])  # only weak references
 
 
 def test_a_caller_that_keeps_lent_views_gets_copies_from_then_on_and_right_values():
