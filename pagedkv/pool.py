@@ -221,6 +221,18 @@ class PagePool:
         """Row indices [kv_heads, n] of ``pages`` (int64 [n]) in a layer array."""
         return self._head_base + pages[None, :]
 
+    def write_index(self, rows: np.ndarray, slots: np.ndarray) -> tuple[mx.array, mx.array]:
+        """The device form of a write's index for ``write_checked``: ``rows``/``slots``
+        (ints broadcasting together to the values' leading shape [B, kv_heads, T]) as
+        int32 arrays of those shapes, or, where the pool writes with its kernel, broadcast
+        and flattened to [B * kv_heads * T] already, the form the kernel takes
+        (``page_write.write_tokens``): the layers of a step share one index, so none of
+        them reshapes it again. O(B * kv_heads * T) on the host."""
+        if self.write_kernel:
+            rows, slots = (np.broadcast_to(x, np.broadcast_shapes(rows.shape, slots.shape)).reshape(-1)
+                           for x in (rows, slots))
+        return mx.array(rows.astype(np.int32)), mx.array(slots.astype(np.int32))
+
     def page_slices(self, page: int, slot: int, count: int) -> tuple[slice, slice] | None:
         """Where tokens [slot, slot + count) of page ``page`` lie in a layer array (one
         row's tokens within one page), as slices for ``write_checked``: every head's row

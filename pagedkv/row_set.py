@@ -678,7 +678,8 @@ class RowSet:
                     count: int) -> tuple[mx.array, mx.array] | tuple[slice, slice]:
         """(pool array rows, slots) of tokens [start, start + count) of every row of
         ``spec``'s tables, int32 [B, kv_heads, count] (slots of a one-token step [B, 1, 1],
-        which broadcasts over the heads): they index a layer array with
+        which broadcasts over the heads; flat where the pool writes with its kernel:
+        ``PagePool.write_index``): they index a layer array with
         the step's keys/values [B, kv_heads, count, D] as the model makes them, so no
         layer transposes or copies them first. One row whose tokens lie in one page (a
         sequence's decode step) gets the pool's ``page_slices`` instead, where it gives
@@ -706,7 +707,7 @@ class RowSet:
             pages = np.concatenate([t.page_ids_at(p // ps) for t, p in zip(tables, pos)])
             rows = pool.array_rows(pages).reshape(h, b, count).transpose(1, 0, 2)
             slots = np.broadcast_to((pos % ps)[:, None, :], (b, h, count))
-        hit = self._memo[key] = (mx.array(rows.astype(np.int32)), mx.array(slots.astype(np.int32)))
+        hit = self._memo[key] = pool.write_index(rows, slots)
         return hit
 
     def position_array(self, positions: np.ndarray) -> mx.array:

@@ -89,3 +89,37 @@ def test_reads_after_a_kernel_write_see_the_tokens_written():
         k = mx.full((1, 2, 1, 64), step, mx.float16)
         keys, _ = cache.update_and_fetch(k, k + 1)
         assert keys.shape[2] == step + 1 and float(keys[0, 1, step, 5]) == step  # (lazy until here)
+
+
+def test_a_steps_shared_write_index_writes_the_kernel_pool_as_the_scatter_writes_its_own():
+    """Through a batch's row set, whose step builds one write index for every layer (flat
+    for the kernel: ``PagePool.write_index``): three rows of different lengths, each
+    prefilled in one write of several tokens, then decode steps, some crossing a page;
+    keys and values are transposed views, as mlx-lm's attention makes them. The kernel's
+    pool ends bit for bit as the scatter's."""
+    from types import SimpleNamespace
+
+    from pagedkv import PagedBatch, make_paged_cache
+
+    def kv(rng, rows: int, tokens: int):
+        return tuple(mx.array(rng.standard_normal((rows, tokens, 2, 64)).astype(np.float16)).transpose(0, 2, 1, 3)
+                     for _ in range(2))
+
+    def run(kernel: bool) -> list[np.ndarray]:
+        pool = PagePool(num_layers=2, num_kv_heads=2, head_dim=64, page_size=8, num_pages=64, dtype=mx.float16,
+                        write_kernel=kernel, cache_limit=None)
+        rng = np.random.default_rng(5)
+        batch = PagedBatch(pool, 2)
+        for n in (3, 8, 13):
+            c = make_paged_cache(SimpleNamespace(layers=[0, 0]), pool)
+            for layer in range(2):
+                c[layer].update_and_fetch(*kv(rng, 1, n))
+            batch.extend(c)
+        for _ in range(10):
+            for layer in range(2):
+                batch.caches[layer].update_and_fetch(*kv(rng, 3, 1))
+        mx.eval([pool.written(layer) for layer in range(2)])
+        return [host(x) for layer in range(2) for x in pool.storage(layer)]
+
+    for a, b in zip(run(True), run(False)):
+        assert np.array_equal(a, b)

@@ -63,9 +63,10 @@ def _kernel() -> object:
 
 
 def _flat_index(x: mx.array, lead: tuple[int, ...], n: int) -> mx.array:
-    if x.shape != lead:
-        x = mx.broadcast_to(x, lead)
-    x = x.reshape(n)
+    if x.shape != (n,):  # (flat already: the form ``PagePool.write_index`` makes for a step)
+        if x.shape != lead:
+            x = mx.broadcast_to(x, lead)
+        x = x.reshape(n)
     return x if x.dtype == mx.int32 else x.astype(mx.int32)
 
 
@@ -76,8 +77,10 @@ def write_tokens(k_pool: mx.array, v_pool: mx.array, rows: mx.array, slots: mx.a
     ``after``; returns this write's ``done`` (int32 [1], value 0).
 
     ``k_pool``/``v_pool``: [pool rows, page_size, width] arrays, row-contiguous;
-    ``rows``/``slots``: int indices of any shape, broadcast to the values' leading shape;
-    ``k_vals``/``v_vals``: [..., width] of the pools' dtypes with the same leading shape.
+    ``rows``/``slots``: int indices of any shape, broadcast to the values' leading shape,
+    or flat [tokens] in its order; ``k_vals``/``v_vals``: [..., width] of the pools'
+    dtypes with the same leading shape (read in row-major order, as the kernel copies
+    non-contiguous inputs first: no reshape is built for them).
     The caller checks shapes and indices (out-of-range indices write out of bounds).
     """
     lead = k_vals.shape[:-1]
@@ -86,7 +89,7 @@ def write_tokens(k_pool: mx.array, v_pool: mx.array, rows: mx.array, slots: mx.a
     r, s = (_flat_index(x, lead, n) for x in (rows, slots))
     total = n * (wk + wv)
     (done,) = _kernel()(
-        inputs=[k_pool, v_pool, r, s, k_vals.reshape(n, wk), v_vals.reshape(n, wv), dims_array(n), after],
+        inputs=[k_pool, v_pool, r, s, k_vals, v_vals, dims_array(n), after],
         template=[("TK", k_pool.dtype), ("TV", v_pool.dtype), ("WK", wk), ("WV", wv),
                   ("PS", k_pool.shape[1])],
         grid=(-(-total // _THREADS) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
