@@ -416,8 +416,7 @@ class RowSet:
         end = None
         try:
             count = self.check_kv(layer, keys, values)
-            if spec in self._step_specs and layer not in self._saved and count == self._step_count \
-                    and row.tobytes() == self._step_key:
+            if spec in self._step_specs and layer not in self._saved and self._continues_step(row, count):
                 # the common case: a later layer of the open step, whose pages are reserved;
                 # it starts and ends where the step does (saved for a rollback)
                 start, end = self._step_from, self._step_to
@@ -530,11 +529,11 @@ class RowSet:
     def check_kv(self, layer: int, keys: mx.array, values: mx.array) -> int:
         """Raise a typed error unless ``keys``/``values`` fit a write of ``layer`` (one
         [kv_heads, T, D] block per row); returns T. Changes nothing."""
-        b = self.offsets.shape[1]
+        b = self.num_rows
         if b == 0:
             raise KvShapeError("a step needs rows, but there are none (add rows with extend)")
         try:
-            return self.layout.specs[self.layout.layers[layer][0]].pool.check_kv(keys, values, rows=b)
+            return self.pool_of(layer).check_kv(keys, values, rows=b)
         except KvShapeError:
             if b == 1 and getattr(keys, "ndim", 0) == 4 and keys.shape[0] != 1:
                 raise NotSupportedError(f"a one-sequence cache takes batch 1, got {keys.shape[0]} (use PagedBatch)") \
