@@ -33,7 +33,6 @@ import mlx.core as mx
 from pagedkv.cache import LayerFace, PagedPromptCache, layer_faces, layout_for
 from pagedkv.errors import (
     InvalidTypeError,
-    InvalidValueError,
     KvShapeError,
     check_int,
 )
@@ -85,12 +84,7 @@ class PagedBatch:
         self.rows.check_alive()
         if row is None:
             return self.rows.tables(0)
-        return self.rows.row_tables(self._row(row))
-
-    def _row(self, row: object) -> int:
-        if not self.size:
-            raise KvShapeError(f"row {row!r} needs rows, but the batch has none (add rows with extend)")
-        return check_int("row", row, minimum=0, maximum=self.size - 1)
+        return self.rows.row_tables(row)
 
     # ------------------------------------------------------------------ rows join / leave
     def extend(self, prompt_cache: PagedPromptCache) -> int:
@@ -107,16 +101,10 @@ class PagedBatch:
     def extract(self, row: int) -> PagedPromptCache:
         """Move row ``row`` out as a one-sequence cache (no copy); the other rows stay."""
         self.rows.check_alive()
-        return PagedPromptCache.of_rows(self.rows.split_row(self._row(row)))
+        return PagedPromptCache.of_rows(self.rows.split_row(row))
 
     def filter(self, keep: list[int]) -> None:
         """Keep rows ``keep`` (in that order) and release every other row's pages."""
-        self.rows.check_alive()
-        if not isinstance(keep, (list, tuple, range)):
-            raise InvalidTypeError(f"keep must be a list of row indices, got {type(keep).__name__}")
-        keep = [check_int("row", i) for i in keep]
-        if len(set(keep)) != len(keep) or any(not 0 <= i < self.size for i in keep):
-            raise InvalidValueError(f"bad row indices {keep} for a batch of {self.size} rows")
         self.rows.keep_rows(keep)
 
     def release(self) -> None:

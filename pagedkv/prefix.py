@@ -492,7 +492,7 @@ class PrefixCache:
         if not isinstance(rows, RowSet):
             raise InvalidTypeError(f"rows must be a RowSet, got {type(rows).__name__}")
         rows.check_alive()
-        row = check_int("row", row, minimum=0, maximum=rows.num_rows - 1)
+        row = rows.check_row(row)
         specs = rows.layout.specs
         if len(specs) != 1 or specs[0].window is not None:
             self._check_layout(rows.layout)

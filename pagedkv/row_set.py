@@ -61,6 +61,7 @@ import numpy as np
 
 from pagedkv.codec import AffineQuant
 from pagedkv.errors import (
+    InvalidTypeError,
     InvalidValueError,
     KvShapeError,
     NotSupportedError,
@@ -233,7 +234,15 @@ class RowSet:
         return self._tables[spec]
 
     def row_tables(self, row: int) -> list[PageTable]:
-        return [ts[row] for ts in self._tables]
+        return [ts[self.check_row(row)] for ts in self._tables]
+
+    def check_row(self, row: object) -> int:
+        """``row`` as an index of an existing row; ``KvShapeError`` when there are no
+        rows, ``InvalidTypeError``/``InvalidValueError`` for anything else that is not
+        an int in [0, num_rows) (a negative index too: it would name another row)."""
+        if not self.num_rows:
+            raise KvShapeError(f"row {row!r} needs rows, but there are none (add rows with extend)")
+        return check_int("row", row, minimum=0, maximum=self.num_rows - 1)
 
     def all_tables(self) -> list[PageTable]:
         return [t for ts in self._tables for t in ts]
@@ -322,8 +331,10 @@ class RowSet:
         return range(first, self.num_rows)
 
     def split_row(self, row: int) -> RowSet:
-        """Move row ``row`` out into a new one-row set (no copy); the others stay."""
+        """Move row ``row`` out into a new one-row set (no copy); the others stay.
+        A bad ``row`` (``check_row``) changes nothing."""
         self.check_alive()
+        row = self.check_row(row)
         self._close_step()
         out = RowSet(self.layout)
         tables = [ts.pop(row) for ts in self._tables]
@@ -338,8 +349,16 @@ class RowSet:
         return out
 
     def keep_rows(self, keep: Sequence[int]) -> None:
-        """Keep rows ``keep`` (in that order) and release every other row's pages."""
+        """Keep rows ``keep`` (in that order) and release every other row's pages.
+        ``keep`` must list distinct rows (``InvalidTypeError``/``InvalidValueError``
+        otherwise, and nothing changes): a row kept twice would be two rows writing one
+        table, and a negative index would name a row it also releases."""
         self.check_alive()
+        if not isinstance(keep, (list, tuple, range)):
+            raise InvalidTypeError(f"keep must be a list of row indices, got {type(keep).__name__}")
+        keep = [check_int("row", i) for i in keep]
+        if len(set(keep)) != len(keep) or any(not 0 <= i < self.num_rows for i in keep):
+            raise InvalidValueError(f"bad row indices {keep} for {self.num_rows} rows")
         self._close_step()
         drop = set(range(self.num_rows)) - set(keep)
         for ts in self._tables:

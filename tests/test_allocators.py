@@ -226,6 +226,19 @@ def test_stats_count_peak_and_counters(make):
     assert st.available == 5
 
 
+@pytest.mark.parametrize("n", [3, 40], ids=["short list", "array path"])
+def test_peak_in_use_counts_the_cached_pages_a_touch_revives(make, n):
+    a = make(64)
+    pages = a.allocate(n)
+    a.set_cacheable(pages)
+    a.decref(pages)  # all cached, none in use: the peak so far is n
+    a.allocate(5)
+    a.touch(pages)  # n revived next to the 5
+    assert a.stats().peak_in_use == n + 5
+    a.decref(pages)
+    assert a.stats().peak_in_use == n + 5 and a.num_in_use() == 5
+
+
 def test_free_list_reuses_most_recently_freed_page_first():
     a = FreeListAllocator(8)
     ids = a.allocate(4).tolist()
@@ -338,6 +351,38 @@ def test_the_lru_log_keeps_order_and_stays_bounded_through_many_cache_and_revive
     assert len(a._log) <= 2 * 64 + 1024 + 1  # compacted, not 20 064 entries
     assert a.evict(5) == order[:5]
     assert sorted(a.allocate_page() for _ in range(5)) == sorted(order[:5])  # the freed pages
+    a.check()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_pages_cached_before_a_log_compaction_stay_cached_and_are_evicted_first(make, batched):
+    # Only half the cached pages are revived and cached again (one page at a time, or
+    # 33 at a time: past the short loops, the array path), so the log compacts around
+    # the other half, whose entries must stay live where compaction moved them.
+    a = make(128)
+    pages = a.allocate(128)
+    a.set_cacheable(pages)
+    a.decref(pages)
+    order = pages.tolist()
+    rng = np.random.default_rng(1)
+    for _ in range(200 if batched else 3000):
+        if batched:
+            picked = rng.choice(64, size=33, replace=False)
+            a.touch(picked)
+            a.decref(picked)
+            picked = picked.tolist()
+        else:
+            picked = [int(rng.integers(64))]
+            a.touch(picked)
+            a.decref_page(picked[0])
+        for p in picked:
+            order.remove(p)
+            order.append(p)
+    assert len(a._log) < 3000  # compacted at least once
+    assert a.cached_pages() == order and a.num_cached() == 128
+    a.check()
+    assert a.evict(64) == order[:64]  # the half never revived, oldest first
+    assert a.num_cached() == 64 and a.cached_pages() == order[64:]
     a.check()
 
 

@@ -130,6 +130,22 @@ def test_a_digest_listed_twice_in_one_spill_is_written_once_and_the_writer_lives
     disk.close()
 
 
+def test_a_file_whose_parent_or_tokens_are_not_the_requests_is_a_miss_and_is_deleted(tmp_path):
+    """A file is used only if the parent digest and token ids it records are the
+    request's, not just its name (a file renamed, or written by a buggy process)."""
+    pool = make_pool()
+    disk = DiskTier(tmp_path, pool, max_bytes=1 << 24, model_id="tiny")
+    parent, tokens = b"p" * 16, np.arange(4, dtype="<i8").tobytes()
+    disk.spill([b"a" * 16, b"b" * 16, b"c" * 16], [parent] * 3, [tokens] * 3, [1, 2, 3])
+    assert disk.flush(30) and len(list(tmp_path.glob("*" + SUFFIX))) == 3
+    assert disk.load(b"a" * 16, b"q" * 16, tokens) is None  # another parent
+    assert disk.load(b"b" * 16, parent, np.arange(1, 5, dtype="<i8").tobytes()) is None  # other tokens
+    assert disk.stats.bad_files == 2
+    assert [f.name for f in tmp_path.glob("*" + SUFFIX)] == [(b"c" * 16).hex() + SUFFIX]
+    assert disk.load(b"c" * 16, parent, tokens) is not None and disk.stats.restored == 1
+    disk.close()
+
+
 def test_a_restarted_process_hits_the_pages_an_earlier_one_persisted(model, tmp_path):
     persisted(model, tmp_path)
     pool2 = make_pool()

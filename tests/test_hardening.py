@@ -392,6 +392,38 @@ def test_batch_misuse_names_the_mistake():
         b.extract(0)
 
 
+def test_a_row_sets_row_indices_are_checked_and_a_refused_call_changes_nothing():
+    """``RowSet`` is public: a negative row used to split off a row set with a table and
+    no positions, and ``keep_rows`` kept a row it released ([-1]) or one table as two
+    rows ([0, 0])."""
+    p = P()
+    b = PagedBatch(p, 1)
+    for n in (3, 6):
+        c = make_paged_cache(M(), p)
+        c[0].update_and_fetch(*t(1, n))
+        b.extend(c)
+    rows = b.rows
+    before = state_of(p, b)
+    for bad, error in ((-1, InvalidValueError), (2, InvalidValueError), ("0", InvalidTypeError),
+                       (1.0, InvalidTypeError)):
+        with pytest.raises(error):
+            rows.split_row(bad)
+        with pytest.raises(error):
+            rows.row_tables(bad)
+    for bad, error in (([-1], InvalidValueError), ([0, 0], InvalidValueError), ([2], InvalidValueError),
+                       ([0, "1"], InvalidTypeError), ({0, 1}, InvalidTypeError), ("01", InvalidTypeError)):
+        with pytest.raises(error):
+            rows.keep_rows(bad)
+    assert state_of(p, b) == before
+    rows.keep_rows([1])  # what is left works: the 6-token row
+    assert rows.num_rows == 1 and rows.row_tables(0)[0].num_tokens == 6
+    b.release()
+    assert p.allocator.num_in_use() == 0
+    empty = PagedBatch(p, 1).rows
+    with pytest.raises(KvShapeError, match="no"):
+        empty.split_row(0)
+
+
 def test_a_state_too_large_for_the_pool_raises_before_the_layer_is_emptied():
     p = P(num_pages=3)
     c = PagedKVCache(PageTable(p), 0)
