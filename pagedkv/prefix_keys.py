@@ -83,7 +83,9 @@ class PrefixKeys:
         self.num_tokens = num_tokens
 
     def token_bytes(self, start: int = 0) -> bytes:
-        """Token ids ``[start, num_tokens)`` as little-endian int64 bytes."""
+        """Token ids ``[start, num_tokens)`` as little-endian int64 bytes (``start`` in
+        [0, num_tokens]: ``InvalidValueError`` otherwise)."""
+        start = check_int("start", start, minimum=0, maximum=self.num_tokens)
         first = start // self.page_size
         data = b"".join(self.pages[first:]) + self._tail
         return data[(start - first * self.page_size) * _TOKEN :]

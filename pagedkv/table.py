@@ -269,15 +269,23 @@ class PageTable:
     def adopt(self, pages: Sequence[int], num_tokens: int | None = None, dropped: int = 0) -> None:
         """Start an empty table with ``pages``, on which the caller has already taken one
         reference each (a prefix-cache hit, a loaded cache), holding ``num_tokens``
-        tokens (default: every page full; a partial last page must be held by this
-        table alone, as it will be written). ``dropped``: pages before ``pages`` that a
-        sliding window has already let go (listed as the null page); a query at the
-        end must see no key in them."""
+        tokens (default: every page full; a partial last page that another holder
+        shares is copied before it is written, as for any table). ``dropped``: pages
+        before ``pages`` that a sliding window has already let go (listed as the null
+        page); a query at the end must see no key in them. Distinct pages in use only:
+        an id out of range, a page with no reference (free, cached, the null page) or
+        one listed twice is refused with a typed error, and the table stays empty."""
         self._check_alive()
         if self._n:
             raise InvalidValueError("adopt() needs an empty table")
         dropped = check_int("dropped", dropped, minimum=0)
-        ids = np.asarray(pages, dtype=np.int64)
+        ids = self.pool.allocator.checked_ids(pages)  # (ints in range, 1-d; typed errors)
+        held = [p for p in ids.tolist() if self.pool.allocator.refcount(p) < 1]
+        if held:
+            raise InvalidValueError(f"adopt() takes pages the caller holds a reference on; pages {held[:8]} "
+                                    "are not in use")
+        if np.unique(ids).size != ids.size:
+            raise InvalidValueError("adopt() takes each page once")
         ps = self.pool.page_size
         full = (dropped + ids.size) * ps
         if num_tokens is None:
@@ -396,7 +404,11 @@ class PageTable:
 
     # ------------------------------------------------------------------ page ids
     def page_ids(self, first: int, stop: int) -> np.ndarray:
-        """Listed page ids [first, stop) (a view; stop is clipped to the listed pages)."""
+        """Listed page ids [first, stop) (a view; stop is clipped to the listed pages).
+        ``InvalidValueError`` unless 0 <= first <= stop (a negative index would read
+        past the listed pages, into the table's spare capacity)."""
+        if not 0 <= first <= stop:
+            raise InvalidValueError(f"page range [{first}, {stop}) is not a range of page indices")
         return self._pages[first : min(stop, self._n)]
 
     def page_at(self, index: int) -> int:

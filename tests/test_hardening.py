@@ -424,6 +424,39 @@ def test_a_row_sets_row_indices_are_checked_and_a_refused_call_changes_nothing()
         empty.split_row(0)
 
 
+def test_adopt_takes_only_distinct_pages_in_use_and_a_refusal_leaves_the_table_empty():
+    """``adopt`` used to list any id it was given: -1 read the pool's last page and
+    then failed at release; a free page was read and handed out again."""
+    p = P()
+    held = p.allocator.allocate(3).tolist()
+    for bad, error in (([-1], ValueError), ([99], ValueError), (["a"], TypeError),
+                       ([9], InvalidValueError), ([0, held[0]], InvalidValueError),
+                       ([held[0], held[0]], InvalidValueError)):
+        table = PageTable(p)
+        before = state_of(p, table)
+        with pytest.raises(error):
+            table.adopt(bad)
+        assert state_of(p, table) == before and table.num_pages == 0
+    table = PageTable(p)
+    table.adopt(held, num_tokens=10)
+    assert table.pages.tolist() == held and table.num_tokens == 10
+    with pytest.raises(InvalidValueError):
+        table.page_ids(0, -1)  # (a negative stop read the table's spare capacity)
+    with pytest.raises(InvalidValueError):
+        table.page_ids(-1, 2)
+    assert table.page_ids(1, 9).tolist() == held[1:]
+    table.release()
+    assert p.allocator.num_in_use() == 0
+
+
+def test_prefix_keys_refuse_a_start_outside_their_tokens():
+    keys = PrefixCache(P()).keys(list(range(9)))
+    for bad in (-3, 10):
+        with pytest.raises(InvalidValueError):
+            keys.token_ids(bad)
+    assert keys.token_ids(5) == [5, 6, 7, 8] and keys.token_ids(9) == []
+
+
 def test_a_state_too_large_for_the_pool_raises_before_the_layer_is_emptied():
     p = P(num_pages=3)
     c = PagedKVCache(PageTable(p), 0)
