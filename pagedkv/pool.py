@@ -482,7 +482,7 @@ class PagePool:
         holds (IN_USE). Every array is checked against ``page_arrays`` first; a refusal
         (``KvShapeError``, ``InvalidValueError``) writes nothing. O(bytes)."""
         ids = self.allocator.checked_ids(pages)
-        check_write_targets(self.allocator, ids, "write_pages")
+        check_held_pages(self.allocator, ids, "write_pages")
         specs = self.page_arrays()
         if set(data) != {name for name, _, _ in specs}:
             raise KvShapeError(f"write_pages needs exactly the arrays {[n for n, _, _ in specs[:4]]}...")
@@ -515,7 +515,7 @@ class PagePool:
             raise InvalidValueError(f"copy_pages got {src.size} source and {dst.size} target pages")
         if src.size == 0:
             return
-        check_write_targets(self.allocator, dst, "copy_pages")
+        check_held_pages(self.allocator, dst, "copy_pages")
         self._finish_writes()
         s = mx.array(self.array_rows(src).reshape(-1).astype(np.int32))
         d = mx.array(self.array_rows(dst).reshape(-1).astype(np.int32))
@@ -551,14 +551,14 @@ def head_rows_for(num_pages: int, page_size: int) -> int:
     return num_pages + 1
 
 
-def check_write_targets(allocator: BlockAllocator, ids: np.ndarray, what: str) -> None:
-    """Pages (or state slots) a write may target: distinct, and held by the caller
-    (IN_USE); ``InvalidValueError`` otherwise."""
+def check_held_pages(allocator: BlockAllocator, ids: np.ndarray, what: str) -> None:
+    """Pages (or state slots) that a write may target or a table may adopt: distinct,
+    and held by the caller (IN_USE); ``InvalidValueError`` otherwise. O(n)."""
     if np.unique(ids).size != ids.size:
-        raise InvalidValueError(f"{what} targets a page twice")
+        raise InvalidValueError(f"{what} lists a page twice")
     if any(allocator.page_state(int(p)) != PageState.IN_USE for p in ids):
-        raise InvalidValueError(f"{what} writes only into pages the caller holds (IN_USE), "
-                                "never into the null page or a free or cached page")
+        raise InvalidValueError(f"{what} takes only pages the caller holds (IN_USE), "
+                                "never the null page or a free or cached page")
 
 
 def host_dtype(dtype: mx.Dtype) -> np.dtype:

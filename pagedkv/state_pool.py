@@ -40,7 +40,7 @@ from pagedkv.errors import (
 )
 from pagedkv.in_place_writes import InPlaceWrites
 from pagedkv.mlx_lm_caches import flat_caches
-from pagedkv.pool import check_write_targets
+from pagedkv.pool import check_held_pages
 
 StateShapes = Sequence[Sequence[tuple[tuple[int, ...], mx.Dtype]]]
 """Per recurrent layer, per component: (the shape for one sequence, dtype)."""
@@ -172,10 +172,14 @@ class StatePool:
         return [self._arrays]
 
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy every component of slots ``src`` onto slots ``dst`` (distinct, held)."""
+        """Copy every component of slots ``src`` onto slots ``dst`` (distinct, held);
+        ``src`` any valid slot ids. Checked before anything is written."""
+        src, dst = self.allocator.checked_ids(src), self.allocator.checked_ids(dst)
+        if src.size != dst.size:
+            raise InvalidValueError(f"copy_slots got {src.size} source and {dst.size} target slots")
         if src.size == 0:
             return
-        check_write_targets(self.allocator, dst, "copy_slots")
+        check_held_pages(self.allocator, dst, "copy_slots")
         s, d = mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32))
         for layer, arrays in enumerate(self._arrays):
             self._writes.settle(layer)

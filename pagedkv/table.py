@@ -40,7 +40,7 @@ import attrs
 import numpy as np
 
 from pagedkv.errors import InvalidTypeError, InvalidValueError, ReleasedError, TrimError, check_int
-from pagedkv.pool import PagePool
+from pagedkv.pool import PagePool, check_held_pages
 from pagedkv.visibility import window_start
 
 _NO_PAGES = np.empty(0, dtype=np.int64)
@@ -280,12 +280,7 @@ class PageTable:
             raise InvalidValueError("adopt() needs an empty table")
         dropped = check_int("dropped", dropped, minimum=0)
         ids = self.pool.allocator.checked_ids(pages)  # (ints in range, 1-d; typed errors)
-        held = [p for p in ids.tolist() if self.pool.allocator.refcount(p) < 1]
-        if held:
-            raise InvalidValueError(f"adopt() takes pages the caller holds a reference on; pages {held[:8]} "
-                                    "are not in use")
-        if np.unique(ids).size != ids.size:
-            raise InvalidValueError("adopt() takes each page once")
+        check_held_pages(self.pool.allocator, ids, "adopt()")
         ps = self.pool.page_size
         full = (dropped + ids.size) * ps
         if num_tokens is None:

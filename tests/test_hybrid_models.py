@@ -417,3 +417,20 @@ def test_random_hybrid_requests_up_to_the_limit_in_tight_pools_all_finish_as_the
         assert out[rid] == list(generate(model, make_prompt_cache(model), prompt, max_tokens=n)), rid
     engine.close()
     no_leaks(pool, states)
+
+
+def test_copy_slots_checks_sources_and_targets_before_it_writes():
+    """Sources used to go unchecked: -1 copied the last slot, and a count that differs
+    from the targets' reached MLX."""
+    states = StatePool([[((2,), mx.float32)]], num_slots=6)
+    held = states.allocator.allocate(2)
+    states.write(0, [mx.array([[1.0, 2.0], [3.0, 4.0]])], mx.array(held.astype(np.int32)))
+    before = state_pool_of(states)
+    for src, dst, error in (([-1], held[:1], ValueError), ([7], held[:1], ValueError),
+                            (held, held[:1], InvalidValueError), (held[:1], [4], InvalidValueError),
+                            (held[:1], [0], InvalidValueError), (held, [held[1], held[1]], InvalidValueError)):
+        with pytest.raises(error):
+            states.copy_slots(np.asarray(src), np.asarray(dst))
+    assert state_pool_of(states) == before
+    states.copy_slots(held[:1], held[1:])
+    assert np.array(states.read(0, 0, mx.array(held.astype(np.int32)))).tolist() == [[1.0, 2.0], [1.0, 2.0]]
