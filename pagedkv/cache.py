@@ -244,7 +244,10 @@ class PagedKVCache(LayerFace):
         """
         rows = self.rows
         rows.check_alive()
-        keys, values = kv[0], kv[1]
+        if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+            raise InvalidTypeError(f"a state is (keys, values), got {type(kv).__name__}"
+                                   f"{' of %d' % len(kv) if isinstance(kv, (tuple, list)) else ''}")
+        keys, values = kv
         rows.check_kv(self.layer, keys, values)
         length = keys.shape[2]
         table = self.table

@@ -467,6 +467,17 @@ def test_a_state_too_large_for_the_pool_raises_before_the_layer_is_emptied():
     assert state_of(p, c) == before
 
 
+def test_a_state_that_is_not_a_keys_values_pair_is_a_type_error_and_changes_nothing():
+    c = PagedKVCache(PageTable(P()), 0)
+    c.update_and_fetch(*t(1, 4))
+    before = state_of(c.rows.layout.specs[0].pool, c)
+    k, _ = t(1, 2)
+    for bad in ((k,), (k, k, k), k, None):
+        with pytest.raises(InvalidTypeError):
+            c.state = bad
+    assert state_of(c.rows.layout.specs[0].pool, c) == before
+
+
 def test_bf16_pages_with_the_default_affine_codec_keep_values_beyond_fp16_range():
     p = P(dtype=mx.bfloat16, head_dim=64, k_codec=AffineQuant(8, 64), v_codec=AffineQuant(8, 64))
     c = PagedKVCache(PageTable(p), 0)
