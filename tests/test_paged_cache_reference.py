@@ -139,3 +139,30 @@ def test_mlx_lms_speculative_decoding_on_paged_caches_gives_its_tokens_on_its_ow
     assert any(a for _, a in ref) == (draft_seed == 0)
     for pool in pools:
         assert_all_pages_back(pool)
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_a_layer_trimmed_on_its_own_writes_at_its_own_position_as_mlx_lms_cache_does(count):
+    """mlx-lm's caches are per layer: trimming one layer leaves the others. A step whose
+    first layer opened it at one position must write a layer that stands elsewhere at
+    that layer's own position (not at the step's)."""
+    from mlx_lm.models.cache import KVCache
+
+    from pagedkv import PagePool, PagedPromptCache
+
+    pool = PagePool(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=32, dtype=mx.float32)
+    paged, ref = PagedPromptCache.of_layers(pool), [KVCache() for _ in range(3)]
+    keys = mx.random.normal((1, 2, 10, 8), key=mx.random.key(0))
+    for c in (*paged, *ref):
+        c.update_and_fetch(keys, keys * 2)
+    for c in (paged[1], ref[1]):
+        assert c.trim(3) == 3  # layer 1 alone: 7 tokens, the others 10
+    for step in range(3):
+        new = mx.random.normal((1, 2, count, 8), key=mx.random.key(step + 1))
+        for layer in range(3):
+            got = paged[layer].update_and_fetch(new, new * 2)
+            want = ref[layer].update_and_fetch(new, new * 2)
+            for g, w in zip(got, want):
+                assert g.shape == w.shape and mx.array_equal(g, w).item(), (step, layer)
+    paged.release()
+    assert pool.allocator.num_in_use() == 0
