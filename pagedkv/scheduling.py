@@ -49,7 +49,7 @@ def can_admit(pool: PagePool, prompt_tokens: int, max_new_tokens: int, *, cached
     """
     check_int("prompt_tokens", prompt_tokens, minimum=1)
     check_int("max_new_tokens", max_new_tokens, minimum=0)
-    check_int("cached_tokens", cached_tokens, minimum=0)
+    check_int("cached_tokens", cached_tokens, minimum=0, maximum=prompt_tokens)  # (a hit covers prompt tokens)
     check_int("releasable", releasable, minimum=0)
     check_int("revived", revived, minimum=0)
     check_int("extra_pages", extra_pages, minimum=0)

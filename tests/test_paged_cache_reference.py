@@ -3,10 +3,10 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from tiny_models import greedy, make_model, make_pool, prompt_of
 
-from pagedkv import make_paged_cache
+from pagedkv import PagedPromptCache, PagePool, make_paged_cache
 
 STEPS = 64
 
@@ -146,10 +146,6 @@ def test_a_layer_trimmed_on_its_own_writes_at_its_own_position_as_mlx_lms_cache_
     """mlx-lm's caches are per layer: trimming one layer leaves the others. A step whose
     first layer opened it at one position must write a layer that stands elsewhere at
     that layer's own position (not at the step's)."""
-    from mlx_lm.models.cache import KVCache
-
-    from pagedkv import PagePool, PagedPromptCache
-
     pool = PagePool(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, num_pages=32, dtype=mx.float32)
     paged, ref = PagedPromptCache.of_layers(pool), [KVCache() for _ in range(3)]
     keys = mx.random.normal((1, 2, 10, 8), key=mx.random.key(0))

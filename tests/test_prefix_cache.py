@@ -237,6 +237,8 @@ def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):
         can_admit(pool, 0, 1)
     with pytest.raises(ValueError):
         can_admit(pool, 1, 1, releasable=-1)
+    with pytest.raises(ValueError):  # a hit covers prompt tokens only (more admitted what cannot fit)
+        can_admit(pool, 40, 200, cached_tokens=400, watermark=0.0)
 
 
 def test_can_admit_counts_a_hits_cached_pages_as_taken_and_a_sliding_tables_pages_as_needed():
