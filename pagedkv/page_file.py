@@ -5,18 +5,23 @@ A safetensors file (:mod:`pagedkv.safetensors_file`) with one tensor per entry o
 metadata::
 
     format     "pagedkv.pages"
-    version    "1"
+    version    "2"
     layout     JSON of PagePool.layout_description(): layers, heads, head dims,
                page size, dtype, K and V codecs
     model      the caller's model fingerprint (any string; "" if none)
     pages      n
     checksums  JSON list of n CRC-32s, page i over its bytes in every tensor, in order
     + whatever the caller adds (token ids, chain digests, lengths)
+    meta_checksum  CRC-32 of every other entry above (sorted-key JSON), so that a flipped
+               bit in the metadata (a token id of a saved cache, say) is caught too
+
+Version 1 files (before the metadata checksum) are still read, without that check.
 
 ``read_pages_file`` validates in this order and raises before anything is loaded:
 bytes and header (``CorruptKvFileError``), format and version (``KvFileVersionError``),
-layout and model (``KvFileMismatchError``), tensor names, dtypes and shapes against the
-pool, then every page's checksum (``CorruptKvFileError``). A ``PageFileSpec`` is made
+the metadata's checksum (``CorruptKvFileError``), layout and model
+(``KvFileMismatchError``), tensor names, dtypes and shapes against the pool, then every
+page's checksum (``CorruptKvFileError``). A ``PageFileSpec`` is made
 from the pool on its owner thread; reading and writing files then touch no MLX array,
 so a background writer thread may call ``write_pages_file``.
 """
@@ -35,7 +40,8 @@ from pagedkv.errors import CorruptKvFileError, KvFileMismatchError, KvFileVersio
 from pagedkv.pool import host_dtype
 
 FORMAT = "pagedkv.pages"
-VERSION = 1
+VERSION = 2
+_READS = ("1", "2")  # versions this module reads (1: no metadata checksum)
 
 
 class PageFileSpec:
@@ -59,12 +65,19 @@ def page_checksums(data: dict[str, np.ndarray], spec: PageFileSpec, n: int) -> l
     return [f"{c:08x}" for c in sums]
 
 
+def meta_checksum(meta: dict[str, str]) -> str:
+    """CRC-32 of every metadata entry but ``meta_checksum`` itself (sorted-key JSON)."""
+    rest = {k: v for k, v in meta.items() if k != "meta_checksum"}
+    return f"{zlib.crc32(json.dumps(rest, sort_keys=True).encode()):08x}"
+
+
 def write_pages_file(path: str | os.PathLike, data: dict[str, np.ndarray], spec: PageFileSpec,
                      extra: dict[str, str]) -> int:
     """Write pages (``PagePool.read_pages`` output) crash-safely; returns the file size."""
     n = next(iter(data.values())).shape[0] if data else 0
     meta = {"format": FORMAT, "version": str(VERSION), "layout": spec.layout_json, "model": spec.model,
             "pages": str(n), "checksums": json.dumps(page_checksums(data, spec, n)), **extra}
+    meta["meta_checksum"] = meta_checksum(meta)
     ordered = {name: data[name] for name, _, _, _ in spec.arrays}
     dtypes = {name: kind for name, _, _, kind in spec.arrays if kind}
     return safetensors_file.write(path, ordered, meta, dtypes)
@@ -79,8 +92,11 @@ def read_pages_file(path: str | os.PathLike, spec: PageFileSpec) -> tuple[dict[s
 def check_pages(tensors: dict, meta: dict, kinds: dict, spec: PageFileSpec, where: str):
     if meta.get("format") != FORMAT:
         raise KvFileVersionError(f"{where}: not a pagedkv page file (format {meta.get('format')!r})")
-    if meta.get("version") != str(VERSION):
-        raise KvFileVersionError(f"{where}: format version {meta.get('version')!r}; this pagedkv reads {VERSION}")
+    if meta.get("version") not in _READS:
+        raise KvFileVersionError(f"{where}: format version {meta.get('version')!r}; this pagedkv reads "
+                                 f"{', '.join(_READS)}")
+    if meta.get("version") != "1" and meta.get("meta_checksum") != meta_checksum(meta):
+        raise CorruptKvFileError(f"{where}: the metadata does not match its checksum")
     try:
         layout = json.loads(meta.get("layout", ""))
     except json.JSONDecodeError:

@@ -17,6 +17,7 @@ from pagedkv import AffineQuant, PagePool, PoolExhausted, make_paged_cache
 from pagedkv.cache_file import load_cache, save_cache
 from pagedkv.errors import CorruptKvFileError, KvFileError, KvFileMismatchError, KvFileVersionError
 from pagedkv.generation import generate, prefill
+from pagedkv.page_file import meta_checksum
 from pagedkv.safetensors_file import encode, parse
 
 PROMPT = list(range(1, 23))  # 22 tokens: 5 full pages of 4 and a partial one
@@ -116,16 +117,21 @@ def test_flipped_bytes_are_caught_by_the_header_checks_or_the_page_checksums(mod
         assert same_state(pool_state(pool), before)
 
 
-def rewrite_meta(path, out, **changes):
+def rewrite_meta(path, out, resign=True, **changes):
+    """``path`` with metadata ``changes`` (an entry given as None is removed), written
+    to ``out``; re-signed (a fresh metadata checksum) unless ``resign`` is False, so that
+    a test reaches the check it is about."""
     tensors, meta, kinds = parse(path.read_bytes())
-    meta = {**meta, **changes}
+    meta = {k: v for k, v in {**meta, **changes}.items() if v is not None}
+    if resign and "meta_checksum" in meta:
+        meta["meta_checksum"] = meta_checksum(meta)
     out.write_bytes(b"".join(bytes(p) for p in encode(tensors, meta, {k: v for k, v in kinds.items() if v == "BF16"})))
 
 
 def test_another_format_version_is_refused(model, tmp_path):
     path = tmp_path / "c.safetensors"
     saved(model, make_pool(), path)
-    rewrite_meta(path, tmp_path / "v", version="2")
+    rewrite_meta(path, tmp_path / "v", version="3")
     with pytest.raises(KvFileVersionError):
         load_cache(tmp_path / "v", model, make_pool(), model_id="tiny")
     rewrite_meta(path, tmp_path / "w", format="something.else")
@@ -170,3 +176,35 @@ def test_inconsistent_lengths_are_refused(model, tmp_path):
         rewrite_meta(path, tmp_path / "m", **change)
         with pytest.raises(CorruptKvFileError):
             load_cache(tmp_path / "m", model, make_pool(), model_id="tiny")
+
+
+def test_a_flipped_bit_anywhere_in_the_metadata_is_caught(model, tmp_path):
+    """Page bytes have their CRCs; the metadata has one too. Without it, the lowest bit
+    of a token id's digit flipped ("1" to "0") loaded as another token, silently."""
+    path = tmp_path / "c.safetensors"
+    saved(model, make_pool(), path)
+    data = path.read_bytes()
+    header_end = 8 + struct.unpack("<Q", data[:8])[0]
+    start = data.index(b'"__metadata__"')
+    pool = make_pool()
+    before = pool_state(pool)
+    for pos in range(start, header_end, 3):
+        for bit in (0x01, 0x04):
+            bad = bytearray(data)
+            bad[pos] ^= bit
+            (tmp_path / "f").write_bytes(bytes(bad))
+            with pytest.raises(KvFileError):
+                load_cache(tmp_path / "f", model, pool, model_id="tiny")
+    assert same_state(pool_state(pool), before)
+
+
+def test_a_version_1_file_without_a_metadata_checksum_still_loads(model, tmp_path):
+    path = tmp_path / "c.safetensors"
+    saved(model, make_pool(), path)
+    rewrite_meta(path, tmp_path / "v1", version="1", meta_checksum=None)
+    cache, tokens = load_cache(tmp_path / "v1", model, make_pool(), model_id="tiny")
+    assert tokens == PROMPT[:-1]
+    cache.release()
+    rewrite_meta(path, tmp_path / "v2", meta_checksum=None)  # version 2 needs it
+    with pytest.raises(CorruptKvFileError, match="checksum"):
+        load_cache(tmp_path / "v2", model, make_pool(), model_id="tiny")
