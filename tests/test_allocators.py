@@ -239,6 +239,15 @@ def test_peak_in_use_counts_the_cached_pages_a_touch_revives(make, n):
     assert a.stats().peak_in_use == n + 5 and a.num_in_use() == 5
 
 
+def test_peak_in_use_counts_a_contiguous_allocation():
+    a = SortedAllocator(64)
+    a.allocate(5)
+    run = a.allocate_contiguous(40)
+    assert a.stats().peak_in_use == 45
+    a.decref(run)
+    assert a.stats().peak_in_use == 45 and a.num_in_use() == 5
+
+
 def test_free_list_reuses_most_recently_freed_page_first():
     a = FreeListAllocator(8)
     ids = a.allocate(4).tolist()
