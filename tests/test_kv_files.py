@@ -87,34 +87,40 @@ def test_the_file_opens_in_mx_load_and_names_its_layout(model, tmp_path):
     assert meta["format"] == "pagedkv.pages" and json.loads(meta["layout"])["page_size"] == "4"
 
 
+def each_refused(model, tmp_path, files, error=KvFileError) -> None:
+    """``load_cache`` refuses each of ``files`` (bytes) with ``error``, and the pool it
+    was asked to load into is left exactly as it was."""
+    pool = make_pool()
+    before = pool_state(pool)
+    for data in files:
+        (tmp_path / "bad").write_bytes(data)
+        with pytest.raises(error):
+            load_cache(tmp_path / "bad", model, pool, model_id="tiny")
+    assert same_state(pool_state(pool), before)
+
+
+def flipped(data: bytes, pos: int, bits: int) -> bytes:
+    bad = bytearray(data)
+    bad[pos] ^= bits
+    return bytes(bad)
+
+
 def test_truncated_files_are_refused_and_the_pool_is_unchanged(model, tmp_path):
     path = tmp_path / "c.safetensors"
     saved(model, make_pool(), path)
     data = path.read_bytes()
-    pool = make_pool()
-    before = pool_state(pool)
-    for cut in (0, 5, 8, 40, len(data) // 2, len(data) - 1):
-        (tmp_path / "t").write_bytes(data[:cut])
-        with pytest.raises(CorruptKvFileError):
-            load_cache(tmp_path / "t", model, pool, model_id="tiny")
-        assert same_state(pool_state(pool), before)
+    each_refused(model, tmp_path, (data[:cut] for cut in (0, 5, 8, 40, len(data) // 2, len(data) - 1)),
+                 CorruptKvFileError)
 
 
 def test_flipped_bytes_are_caught_by_the_header_checks_or_the_page_checksums(model, tmp_path):
     path = tmp_path / "c.safetensors"
     saved(model, make_pool(), path)
-    data = bytearray(path.read_bytes())
+    data = path.read_bytes()
     header = 8 + struct.unpack("<Q", data[:8])[0]
-    pool = make_pool()
-    before = pool_state(pool)
     rng = np.random.default_rng(0)
-    for pos in [header + 3, len(data) - 5, *rng.integers(header, len(data), 20), 20, 60]:
-        bad = bytearray(data)
-        bad[pos] ^= 0x5A
-        (tmp_path / "f").write_bytes(bytes(bad))
-        with pytest.raises(KvFileError):
-            load_cache(tmp_path / "f", model, pool, model_id="tiny")
-        assert same_state(pool_state(pool), before)
+    each_refused(model, tmp_path, (flipped(data, pos, 0x5A) for pos in
+                                   [header + 3, len(data) - 5, *rng.integers(header, len(data), 20), 20, 60]))
 
 
 def rewrite_meta(path, out, resign=True, **changes):
@@ -186,16 +192,8 @@ def test_a_flipped_bit_anywhere_in_the_metadata_is_caught(model, tmp_path):
     data = path.read_bytes()
     header_end = 8 + struct.unpack("<Q", data[:8])[0]
     start = data.index(b'"__metadata__"')
-    pool = make_pool()
-    before = pool_state(pool)
-    for pos in range(start, header_end, 3):
-        for bit in (0x01, 0x04):
-            bad = bytearray(data)
-            bad[pos] ^= bit
-            (tmp_path / "f").write_bytes(bytes(bad))
-            with pytest.raises(KvFileError):
-                load_cache(tmp_path / "f", model, pool, model_id="tiny")
-    assert same_state(pool_state(pool), before)
+    each_refused(model, tmp_path, (flipped(data, pos, bit) for pos in range(start, header_end, 3)
+                                   for bit in (0x01, 0x04)))
 
 
 def test_a_version_1_file_without_a_metadata_checksum_still_loads(model, tmp_path):
