@@ -55,6 +55,7 @@ import numpy as np
 from pagedkv import safetensors_file
 from pagedkv.errors import (
     DiskTierInUseError,
+    InvalidTypeError,
     InvalidValueError,
     KvFileError,
     KvFileMismatchError,
@@ -138,6 +139,10 @@ class DiskTier:
         """Open (or create) ``directory`` for ``pool``'s pages of model ``model_id``; it
         stays this tier's alone until ``close`` (``DiskTierInUseError`` while another
         tier has it open; ``KvFileMismatchError`` if it holds another model's pages)."""
+        if not isinstance(pool, PagePool):
+            raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
+        if not isinstance(model_id, str):
+            raise InvalidTypeError(f"model_id must be a str, got {type(model_id).__name__}")
         self.directory = Path(directory)
         self.pool = pool
         self.max_bytes = check_int("max_bytes", max_bytes, minimum=1)

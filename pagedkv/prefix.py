@@ -102,6 +102,8 @@ class PrefixCache:
         every ``checkpoint_every`` pages (module doc). ``windows``: the sliding-window
         sizes of the models it serves, a size once per group of layers with that window
         (``LayerLayout.windows``; module doc)."""
+        if not isinstance(pool, PagePool):
+            raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
         if isinstance(windows, (str, bytes)) or not hasattr(windows, "__iter__"):
             raise InvalidTypeError(f"windows must be a sequence of ints, got {type(windows).__name__}")
         self.windows = tuple(sorted(check_int("window", w, minimum=1) for w in windows))

@@ -12,6 +12,7 @@ from snapshots import state_of
 from allocators import FreeListAllocator, InvalidArgument, SortedAllocator
 from pagedkv import (
     AffineQuant,
+    DiskTier,
     DrafterKv,
     InvalidTypeError,
     InvalidValueError,
@@ -447,6 +448,16 @@ def test_adopt_takes_only_distinct_pages_in_use_and_a_refusal_leaves_the_table_e
     assert table.page_ids(1, 9).tolist() == held[1:]
     table.release()
     assert p.allocator.num_in_use() == 0
+
+
+def test_a_prefix_cache_or_disk_tier_of_something_else_than_a_pool_is_a_type_error(tmp_path):
+    with pytest.raises(InvalidTypeError):
+        PrefixCache("pool")
+    with pytest.raises(InvalidTypeError):
+        DiskTier(tmp_path / "a", "pool", max_bytes=1 << 20)
+    with pytest.raises(InvalidTypeError):
+        DiskTier(tmp_path / "b", P(), max_bytes=1 << 20, model_id=5)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # (refused before any directory)
 
 
 def test_prefix_keys_refuse_a_start_outside_their_tokens():
