@@ -122,7 +122,10 @@ class KvAttentionView:
 
     def valid_mask(self, n_queries: int, causal: bool, window: int | None = None) -> mx.array:
         """Bool [B, 1, n_queries, keys]: which keys of ``parts`` each row's last
-        ``n_queries`` positions may see."""
+        ``n_queries`` positions may see. ``ReleasedError`` after ``release``."""
+        self._check()
+        n_queries = check_int("n_queries", n_queries, minimum=1)
+        window = None if window is None else check_int("window", window, minimum=1)
         return self._read.mask(n_queries, exact=True, causal=causal, window=window)
 
     def attend(self, q: mx.array, scale: float, mask=None, window: int | None = None) -> mx.array:
@@ -138,6 +141,9 @@ class KvAttentionView:
         self._check()
         if not isinstance(q, mx.array) or q.ndim != 4:
             raise KvShapeError(f"queries must be [B, n_heads, L, D], got {getattr(q, 'shape', q)}")
+        if isinstance(mask, str) and mask != "causal":
+            raise InvalidValueError(f"mask must be None, 'causal' or an array, got {mask!r}")
+        window = None if window is None else check_int("window", window, minimum=1)
         b, n_heads, n_q, d = q.shape
         pool = self.pool
         if b != self.batch or n_heads % pool.num_kv_heads or d != pool.head_dim:

@@ -460,6 +460,31 @@ def test_a_prefix_cache_or_disk_tier_of_something_else_than_a_pool_is_a_type_err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # (refused before any directory)
 
 
+def test_a_views_window_and_mask_are_checked_and_its_mask_is_gone_after_release():
+    """A window of 0 or less used to attend over no key and return zeros, silently."""
+    p = P(num_kv_heads=2)
+    c = PagedKVCache(PageTable(p), 0)
+    k = mx.random.normal((1, 2, 6, 4), key=mx.random.key(0))
+    c.update_and_fetch(k, k)
+    view = KvAttentionView.of_cache(c)
+    q = mx.ones((1, 4, 1, 4))
+    for bad in (0, -1):
+        with pytest.raises(InvalidValueError):
+            view.attend(q, 0.5, window=bad)
+        with pytest.raises(InvalidValueError):
+            view.valid_mask(1, True, window=bad)
+    with pytest.raises(InvalidValueError):
+        view.attend(q, 0.5, mask="bogus")
+    with pytest.raises(InvalidValueError):
+        view.valid_mask(0, True)
+    assert view.attend(q, 0.5, window=2).shape == (1, 4, 1, 4)
+    view.release()
+    with pytest.raises(ReleasedError):
+        view.valid_mask(1, True)
+    c.table.release()
+    assert p.allocator.num_in_use() == 0
+
+
 def test_prefix_keys_refuse_a_start_outside_their_tokens():
     keys = PrefixCache(P()).keys(list(range(9)))
     for bad in (-3, 10):
