@@ -314,6 +314,13 @@ class RefCountingAllocator:
         a = self._ids(ids)
         return (self._refcount[a] > 1) | self._cacheable[a]
 
+    def refcounts(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The reference count of each listed page (a new int32 array; 0: not IN_USE).
+        One vectorised read, O(n); ``InvalidPage`` for bad ids. Not part of
+        ``BlockAllocator``: pagedkv asks ``refcount`` page by page where an allocator
+        lacks it."""
+        return self._refcount[self._ids(ids)]
+
     def page_state(self, page: int) -> PageState:
         page = self._page(page)
         return PageState.IN_USE if self._rc[page] > 0 else PageState(self._state_b[page])

@@ -6,7 +6,14 @@ from tiny_models import make_model, prompt_of
 
 from allocators import FreeListAllocator, implements_block_allocator
 from allocators.stress import run_stress
-from pagedkv import InvalidTypeError, PagePool, PrefixCache, make_paged_cache
+from pagedkv import (
+    InvalidTypeError,
+    InvalidValueError,
+    PagePool,
+    PageTable,
+    PrefixCache,
+    make_paged_cache,
+)
 from pagedkv.generation import generate
 
 PROTOCOL = ("allocate", "incref", "decref", "fork", "touch", "set_cacheable", "is_cacheable", "refcount",
@@ -109,3 +116,21 @@ def test_a_batch_append_over_a_user_allocator_asks_page_by_page_and_still_copies
     for t in (table, other, fork):
         t.release()
     alloc.check()
+
+
+def test_adopt_on_a_user_allocator_takes_only_pages_the_caller_holds():
+    """``check_held_pages`` asks ``refcount`` page by page where the allocator has no
+    vectorised ``refcounts``."""
+    alloc = CountingAllocator(16)
+    pool = pool_with(alloc)
+    held = alloc.allocate(2).tolist()
+    for bad in ([held[0], 9], [held[0], held[0]], [0]):
+        table = PageTable(pool)
+        with pytest.raises(InvalidValueError):
+            table.adopt(bad)
+        assert table.num_pages == 0
+    table = PageTable(pool)
+    table.adopt(held)
+    assert alloc.calls["refcount"] >= 2 and table.pages.tolist() == held
+    table.release()
+    assert alloc.stats().in_use == 0

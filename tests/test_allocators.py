@@ -395,6 +395,17 @@ def test_pages_cached_before_a_log_compaction_stay_cached_and_are_evicted_first(
     a.check()
 
 
+def test_refcounts_reads_every_listed_pages_count_as_refcount_does(make):
+    a = make(8)
+    pages = a.allocate(3)
+    a.incref([int(pages[1])])
+    a.decref([int(pages[2])])  # free again: 0
+    assert a.refcounts(pages).tolist() == [a.refcount(int(p)) for p in pages] == [1, 2, 0]
+    for bad in ([8], [-1]):
+        with pytest.raises(InvalidPage):
+            a.refcounts(bad)
+
+
 def test_needs_copy_is_true_exactly_for_shared_or_cacheable_pages(make):
     a = make(8)
     pages = a.allocate(4)
