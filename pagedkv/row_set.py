@@ -234,7 +234,8 @@ class RowSet:
         return self._tables[spec]
 
     def row_tables(self, row: int) -> list[PageTable]:
-        return [ts[self.check_row(row)] for ts in self._tables]
+        row = self.check_row(row)
+        return [ts[row] for ts in self._tables]
 
     def check_row(self, row: object) -> int:
         """``row`` as an index of an existing row; ``KvShapeError`` when there are no
