@@ -509,13 +509,9 @@ class PagePool:
         ``dst`` must be distinct pages the caller holds (IN_USE), never the null page;
         ``src`` any valid page ids. Checked before anything is written.
         """
-        alloc = self.allocator
-        src, dst = alloc.checked_ids(src), alloc.checked_ids(dst)
-        if src.size != dst.size:
-            raise InvalidValueError(f"copy_pages got {src.size} source and {dst.size} target pages")
+        src, dst = checked_copy(self.allocator, src, dst, "copy_pages", "pages")
         if src.size == 0:
             return
-        check_held_pages(self.allocator, dst, "copy_pages")
         self._finish_writes()
         s = mx.array(self.array_rows(src).reshape(-1).astype(np.int32))
         d = mx.array(self.array_rows(dst).reshape(-1).astype(np.int32))
@@ -567,6 +563,18 @@ def check_held_pages(allocator: BlockAllocator, ids: np.ndarray, what: str) -> N
     if not held:
         raise InvalidValueError(f"{what} takes only pages the caller holds (IN_USE), "
                                 "never the null page or a free or cached page")
+
+
+def checked_copy(allocator: BlockAllocator, src, dst, what: str, unit: str) -> tuple[np.ndarray, np.ndarray]:
+    """(``src``, ``dst``) of a copy validated as int64 arrays: ids in range, as many of
+    each, and ``dst`` distinct ids the caller holds (``check_held_pages``); typed errors
+    otherwise. ``unit`` names the ids in the message ("pages", "slots")."""
+    src, dst = allocator.checked_ids(src), allocator.checked_ids(dst)
+    if src.size != dst.size:
+        raise InvalidValueError(f"{what} got {src.size} source and {dst.size} target {unit}")
+    if src.size:
+        check_held_pages(allocator, dst, what)
+    return src, dst
 
 
 def host_dtype(dtype: mx.Dtype) -> np.dtype:

@@ -357,9 +357,9 @@ class RowSet:
         self.check_alive()
         if not isinstance(keep, (list, tuple, range)):
             raise InvalidTypeError(f"keep must be a list of row indices, got {type(keep).__name__}")
-        keep = [check_int("row", i) for i in keep]
-        if len(set(keep)) != len(keep) or any(not 0 <= i < self.num_rows for i in keep):
-            raise InvalidValueError(f"bad row indices {keep} for {self.num_rows} rows")
+        keep = [self.check_row(i) for i in keep]
+        if len(set(keep)) != len(keep):
+            raise InvalidValueError(f"keep lists a row twice: {keep}")
         self._close_step()
         drop = set(range(self.num_rows)) - set(keep)
         for ts in self._tables:

@@ -40,7 +40,7 @@ from pagedkv.errors import (
 )
 from pagedkv.in_place_writes import InPlaceWrites
 from pagedkv.mlx_lm_caches import flat_caches
-from pagedkv.pool import check_held_pages
+from pagedkv.pool import checked_copy
 
 StateShapes = Sequence[Sequence[tuple[tuple[int, ...], mx.Dtype]]]
 """Per recurrent layer, per component: (the shape for one sequence, dtype)."""
@@ -174,12 +174,9 @@ class StatePool:
     def copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy every component of slots ``src`` onto slots ``dst`` (distinct, held);
         ``src`` any valid slot ids. Checked before anything is written."""
-        src, dst = self.allocator.checked_ids(src), self.allocator.checked_ids(dst)
-        if src.size != dst.size:
-            raise InvalidValueError(f"copy_slots got {src.size} source and {dst.size} target slots")
+        src, dst = checked_copy(self.allocator, src, dst, "copy_slots", "slots")
         if src.size == 0:
             return
-        check_held_pages(self.allocator, dst, "copy_slots")
         s, d = mx.array(src.astype(np.int32)), mx.array(dst.astype(np.int32))
         for layer, arrays in enumerate(self._arrays):
             self._writes.settle(layer)
