@@ -135,6 +135,10 @@ class PrefixCache:
         # file a run of new pages at once
         self._node_of_page = array("q", bytes(8 * pool.num_pages))
         self._node_np = np.frombuffer(self._node_of_page, dtype=np.int64)
+        # registered page -> the root (``extra_keys``) it was computed under: a page filed
+        # again under a newer chain (``_register_general``) must keep its root
+        self._root_of_page = array("q", bytes(8 * pool.num_pages))
+        self._root_np = np.frombuffer(self._root_of_page, dtype=np.int64)
         self._roots: dict[bytes, int] = {}
         self._next_node = 1
         self._window_page: dict[tuple[WindowKey, int], int] = {}  # (window key, node) -> its page there
@@ -481,7 +485,10 @@ class PrefixCache:
         ``PrefixKeys`` must hold exactly the tokens the table's pages were computed from:
         after trimming the sequence (rejected draft tokens, a preemption), call
         ``keys.truncate`` before extending it again. Its known nodes are trusted, so keys
-        that ran ahead of a trim would file the new pages under the old prefix."""
+        that ran ahead of a trim would file the new pages under the old prefix. A page
+        registered already is filed again only under the root (``extra_keys``) and the
+        token ids it was registered with: keys of another root or other tokens are refused
+        with ``InvalidValueError``, and nothing changes."""
         if isinstance(table, PagedPromptCache):
             return self.register_row(table.rows, 0, tokens)
         return self._register_table(table, tokens)
@@ -589,6 +596,7 @@ class PrefixCache:
                     self._by_key[key] = page
                     self._key_of_page[page] = key
                     self._node_of_page[page] = node
+                    self._root_of_page[page] = keys.root
                     del nodes[first:]
                     nodes.append(node)
                     return 1
@@ -624,7 +632,7 @@ class PrefixCache:
             # catches repeats: a page listed twice is in ``key_of`` the second time, the
             # same content twice is in ``by_key``, and a sequence listed twice has a node
             # made in this call (nodes are serials, so one ``>= first``).
-            by_key, key_of, node_of = self._by_key, self._key_of_page, self._node_of_page
+            by_key, key_of, node_of, root_of = self._by_key, self._key_of_page, self._node_of_page, self._root_of_page
             node = first = self._next_node
             num_pages = self._num_pages
             for page, k in zip(pages, keys):
@@ -646,6 +654,7 @@ class PrefixCache:
                 by_key[key] = page
                 key_of[page] = key
                 node_of[page] = node
+                root_of[page] = k.root
                 nodes.append(node)
                 node += 1
             else:
@@ -700,6 +709,7 @@ class PrefixCache:
             elif key in fresh:
                 plan.append(fresh[key])  # the same content as an earlier item
             elif page in key_of:
+                self._check_refile(page, key, keys[j].root)
                 refile[key] = page  # this page, under an older chain: filed under this one too
                 plan.append(-1 - node_of[page])
             else:
@@ -722,6 +732,7 @@ class PrefixCache:
                 by_key[key] = page
                 key_of[page] = key
                 node_of[page] = made[j] = node
+                self._root_of_page[page] = k.root
                 k.nodes.append(node)
                 node += 1
             else:
@@ -793,6 +804,7 @@ class PrefixCache:
                 by_key[key] = page
                 key_of[page] = key
                 node_of[page] = node
+                self._root_of_page[page] = keys.root
                 walked.append(node)
             else:
                 made = range(node, node + m)
@@ -802,10 +814,13 @@ class PrefixCache:
                 by_key.update(zip(new_keys, new))
                 key_of.update(zip(new, new_keys))
                 if as_array is None:
+                    root_of, root = self._root_of_page, keys.root
                     for page, made_node in zip(new, made):
                         node_of[page] = made_node
+                        root_of[page] = root
                 else:
                     self._node_np[as_array] = np.arange(node, node + m)
+                    self._root_np[as_array] = keys.root
                 walked += made
         del nodes[start:]
         nodes.extend(walked)
@@ -834,6 +849,7 @@ class PrefixCache:
             if known is not None:
                 parent = node_of[known]
             elif page in key_of:
+                self._check_refile(page, key, keys.root)
                 refile.append((page, key))
                 parent = node_of[page]
             else:
@@ -851,10 +867,22 @@ class PrefixCache:
             by_key[key] = page
             key_of[page] = key
             node_of[page] = made
+            self._root_of_page[page] = keys.root
         self._next_node = node
         del nodes[start:]
         nodes.extend(walked)
         return len(new)
+
+    def _check_refile(self, page: int, key: tuple[int, bytes], root: int) -> None:
+        """Refuse to file ``page`` again under ``key`` (of a chain from ``root``) unless
+        it holds that content: its K/V were computed under the same root (the same
+        ``extra_keys``: another adapter's or tenant's pages must never serve this one)
+        from the same token ids. Called while planning, before anything changes."""
+        if self._root_of_page[page] != root:
+            raise InvalidValueError(
+                f"page {page} is registered under another extra_keys root; its K/V cannot be filed under this one")
+        if self._key_of_page[page][1] != key[1]:
+            raise InvalidValueError(f"page {page} is registered for other token ids than these at its position")
 
     def _refile(self, page: int, key: tuple[int, bytes]) -> None:
         """File ``page``, registered under an older chain, under ``key`` of this one

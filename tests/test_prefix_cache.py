@@ -14,8 +14,10 @@ from tiny_models import (
 )
 
 from pagedkv import (
+    InvalidValueError,
     NotSupportedError,
     PagePool,
+    PageTable,
     PrefixCache,
     StatePool,
     can_admit,
@@ -217,6 +219,48 @@ def test_extra_keys_separate_sequences_in_one_cache(model):
     assert prefix.match(prefix.keys(tokens, extra_keys="adapter-b")) == []
     assert len(prefix.match(prefix.keys(tokens, extra_keys=b"adapter-a"))) == 2
     pool.allocator.decref(pages)
+
+
+@pytest.mark.parametrize("how", ["register_pages", "register_next", "register"])
+@pytest.mark.parametrize("other", ["extra_keys", "tokens"])
+def test_registered_pages_are_refused_under_another_root_or_other_tokens(model, how, other):
+    """Pages filed under one ``extra_keys`` root (an adapter, a tenant's salt) hold K/V
+    that another root must never find, and a page's key is the content it holds. So
+    registering held pages under another root, or for other token ids at their
+    position, is refused with nothing changed, and the first root still hits them."""
+    pool = make_pool("llama", page_size=PS, num_pages=64)
+    prefix = PrefixCache(pool, extra_keys="adapter-a")
+    tokens = prompt_of(2 * PS + 1, seed=6)
+    pages = pool.allocator.allocate(2).tolist()
+    assert prefix.register_pages(pages, prefix.keys(tokens)) == 2
+    if other == "extra_keys":
+        keys = prefix.keys(tokens, extra_keys="adapter-b")
+    else:
+        keys = prefix.keys(tokens[:PS] + prompt_of(PS + 1, seed=7))  # the second page's tokens differ
+    table = PageTable(pool)
+    if how == "register":
+        pool.allocator.incref(pages)
+        table.adopt(pages, 2 * PS)
+    before = (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), prefix.stats(),
+              pool.allocator.stats())
+    with pytest.raises(InvalidValueError, match="registered"):
+        if how == "register_pages":
+            prefix.register_pages(pages, keys)
+        elif how == "register_next":
+            if other == "tokens":
+                prefix.register_pages(pages[:1], keys)  # the first page is the same content
+                before = before[:2] + (list(keys.nodes),) + before[3:]
+            else:
+                prefix.register_next(pages[:1], [keys])
+            prefix.register_next(pages[len(keys.nodes):][:1], [keys])
+        else:
+            prefix.register(table, keys)
+    assert (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), prefix.stats(),
+            pool.allocator.stats()) == before
+    assert prefix.match(tokens) == pages
+    table.release()
+    pool.allocator.decref(pages)
+    pool.allocator.check()
 
 
 def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):
