@@ -426,11 +426,15 @@ class PagePool:
         """The current K and V arrays of a full-precision layer, for a kernel that reads
         the pool directly. Use them within one expression; never keep them (a kept
         reference turns the next write of this layer into a copy of the whole layer)."""
+        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
+            layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         return self._k[layer][0], self._v[layer][0]
 
     def storage(self, layer: int) -> list[mx.array]:
         """Every array holding ``layer``'s pages (K's codec components, then V's). Do
         not keep them (see ``layer_arrays``)."""
+        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
+            layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
         return self._k[layer] + self._v[layer]
 
     def written(self, layer: int) -> list[mx.array]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import attrs
 
+from pagedkv.errors import InvalidValueError, check_int
 from pagedkv.model_config import text_config
 
 
@@ -30,7 +31,7 @@ class KvSharingPlan:
     def __attrs_post_init__(self) -> None:
         n = len(self.layer_types)
         if self.num_kv_shared_layers >= n and n:
-            raise ValueError(f"{self.num_kv_shared_layers} shared layers leave no donor among {n}")
+            raise InvalidValueError(f"{self.num_kv_shared_layers} shared layers leave no donor among {n}")
         first = n - self.num_kv_shared_layers
         last_of: dict[str, int] = {}
         for i, t in enumerate(self.layer_types[:first]):
@@ -39,7 +40,7 @@ class KvSharingPlan:
         for i in range(first, n):
             t = self.layer_types[i]
             if t not in last_of:
-                raise ValueError(f"sharer layer {i} ({t}) has no donor of its type")
+                raise InvalidValueError(f"sharer layer {i} ({t}) has no donor of its type")
             source.append(last_of[t])
         object.__setattr__(self, "source", tuple(source))
 
@@ -53,10 +54,16 @@ class KvSharingPlan:
         return tuple(range(self.num_donors))
 
     def donor_of(self, layer: int) -> int:
-        """The layer whose K/V ``layer`` attends over (itself for a donor)."""
-        return self.source[layer]
+        """The layer whose K/V ``layer`` attends over (itself for a donor). A layer that
+        is not an int in range raises a typed error."""
+        source = self.source
+        if layer.__class__ is not int or not 0 <= layer < len(source):
+            layer = check_int("layer", layer, minimum=0, maximum=len(source) - 1)
+        return source[layer]
 
     def sharers_of(self, donor: int) -> tuple[int, ...]:
+        """The sharer layers that read ``donor``'s K/V (none for a sharer)."""
+        check_int("donor", donor, minimum=0, maximum=len(self.source) - 1)
         return tuple(i for i, s in enumerate(self.source) if s == donor and i != donor)
 
     @classmethod

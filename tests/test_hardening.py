@@ -19,6 +19,7 @@ from pagedkv import (
     KvAttentionView,
     KvDTypeError,
     KvShapeError,
+    KvSharingPlan,
     NotSupportedError,
     PagedBatch,
     PagedKVCache,
@@ -343,6 +344,14 @@ BAD_CALLS = {
         *(mx.zeros((0, 1, 1, 4)),) * 2)),
     "pages_for page size 0": (InvalidValueError, lambda p: pages_for(3, 0)),
     "pages_for a float": (InvalidTypeError, lambda p: pages_for(3.0, 4)),
+    "layer arrays of layer -1": (InvalidValueError, lambda p: p.layer_arrays(-1)),
+    "storage of a layer past the pool": (InvalidValueError, lambda p: p.storage(p.num_layers)),
+    "storage of layer -1": (InvalidValueError, lambda p: p.storage(-1)),
+    "written of layer 0.0": (InvalidTypeError, lambda p: p.written(0.0)),
+    "donor of layer -1": (InvalidValueError, lambda p: KvSharingPlan(["S", "F", "S"], 1).donor_of(-1)),
+    "donor of a layer past the plan": (InvalidValueError, lambda p: KvSharingPlan(["S", "F", "S"], 1).donor_of(3)),
+    "sharers of donor -1": (InvalidValueError, lambda p: KvSharingPlan(["S", "F", "S"], 1).sharers_of(-1)),
+    "a sharing plan of no donor": (InvalidValueError, lambda p: KvSharingPlan(["S", "F"], 2)),
     "fetch_shared of an unknown kind": (InvalidValueError, lambda p: make_paged_cache(M(), p)[0].fetch_shared("x")),
 }
 
