@@ -668,10 +668,12 @@ class RowSet:
 
     def _abort_write(self, layer: int) -> None:
         """``layer``'s write failed. If it is a layer of the open step that has not
-        written it yet, undo the step: layers and tables exactly as before it. Any other
-        failed write changed nothing."""
+        written it yet (it stands where the step starts), undo the step: layers and
+        tables exactly as before it. Any other failed write (a layer trimmed on its own
+        stands elsewhere) changed nothing."""
         spec = self.layout.layers[layer][0]
-        if spec not in self._step_specs or layer in self._saved or not self._journal:
+        if (spec not in self._step_specs or layer in self._saved or not self._journal
+                or self.offsets[layer].tobytes() != self._step_key):
             return
         self._abort_step()
 

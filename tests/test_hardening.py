@@ -222,6 +222,25 @@ def test_a_windowed_cache_can_always_take_back_its_last_step(step):
     assert k[0, 0, :, 0].tolist() == [10, 11, 12, 100]
 
 
+def test_a_refused_write_of_a_layer_trimmed_alone_leaves_the_open_step_of_the_others():
+    """Layer 1 was trimmed on its own, so it is not a layer of the step layer 0 opened:
+    its refused write changes nothing, and layer 0 keeps what it wrote."""
+    p = P(num_layers=2, num_pages=16)
+    c = make_paged_cache(M(2), p)
+    for layer in range(2):
+        c[layer].update_and_fetch(*t(1, 3))
+    c[1].trim(1)
+    c[0].update_and_fetch(*t(2, 2))
+    before = state_of(p, c, arrays=False)
+    with pytest.raises(KvDTypeError):
+        c[1].update_and_fetch(*(x.astype(mx.float16) for x in t(3, 1)))
+    assert state_of(p, c, arrays=False) == before
+    assert keys_of(c[0]) == [1, 1, 1, 2, 2]
+    c[1].update_and_fetch(*t(3, 3))
+    assert keys_of(c[1]) == [1, 1, 3, 3, 3]
+    assert keys_of(c[0]) == [1, 1, 1, 2, 2]
+
+
 # 7 ------------------------------------------------------------------------------------
 def test_rewriting_a_trimmed_layer_copies_pages_a_fork_shares():
     a = make_paged_cache(M(2), P(num_layers=2))
