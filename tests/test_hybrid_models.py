@@ -324,7 +324,7 @@ def test_a_non_hybrid_prefix_cache_refuses_a_hybrid_model(model):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("slots,pages", [(4, 40), (24, 60)], ids=["tight", "roomy"])
+@pytest.mark.parametrize("slots,pages", [(4, 40), pytest.param(24, 60, marks=pytest.mark.slow)], ids=["tight", "roomy"])
 def test_the_engine_serves_a_hybrid_with_prefix_hits_and_preemption(model, slots, pages, compiled):
     """Four requests share a system prompt, then a fifth continues the first one's
     prompt. Tight: 3 usable state slots for 4 requests (a preemption). Roomy: every

@@ -81,8 +81,11 @@ def solo(model, prompt, n, eos=()):
     return list(generate(model, make_prompt_cache(model), prompt, max_tokens=n, eos_ids=eos))
 
 
+# (the quick loop runs two of each such list; CI runs them all)
 @pytest.mark.parametrize("prefix_caching, compiled_decode, overlap_decode", [
-    (True, False, True), (False, False, True), (True, True, True), (True, False, False), (True, True, False)])
+    (True, False, True), pytest.param(False, False, True, marks=pytest.mark.slow),
+    pytest.param(True, True, True, marks=pytest.mark.slow), pytest.param(True, False, False, marks=pytest.mark.slow),
+    (True, True, False)])
 def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(model, prefix_caching, compiled_decode,
                                                                            overlap_decode):
     engine = make_engine(model, num_pages=40, max_batch=8, prefix_caching=prefix_caching,
@@ -109,8 +112,10 @@ def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(mode
     engine.pool.allocator.check()
 
 
-@pytest.mark.parametrize("codecs", ["affine8", "rotated4", "affine4 K, rotated3 V"])
-@pytest.mark.parametrize("compiled_decode", [False, True])
+@pytest.mark.parametrize("codecs, compiled_decode", [
+    pytest.param(codecs, compiled, marks=[] if (codecs, compiled) in {("rotated4", False), ("affine4 K, rotated3 V", True)}
+                 else pytest.mark.slow)
+    for compiled in (False, True) for codecs in ("affine8", "rotated4", "affine4 K, rotated3 V")])
 def test_quantised_pages_batched_with_preemptions_equal_each_request_alone_on_the_same_pages(
         model, codecs, compiled_decode):
     """``pagedkv serve --kv-bits``'s pools in the engine: every request's greedy tokens
@@ -149,7 +154,7 @@ def test_quantised_pages_batched_with_preemptions_equal_each_request_alone_on_th
     engine.pool.allocator.check()
 
 
-@pytest.mark.parametrize("compiled_decode", [False, True])
+@pytest.mark.parametrize("compiled_decode", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_overlapped_decode_delivers_what_reading_every_step_delivers(model, compiled_decode):
     """The same requests, with overlap_decode on and off: an EOS id and a stop string
     that end rows early, requests arriving mid-run, a pool so small that rows are
@@ -646,8 +651,9 @@ def test_the_engine_refuses_prefix_caching_for_a_model_whose_layers_all_slide_up
 
 
 @pytest.mark.parametrize("kind, compiled, num_pages", [
-    ("gemma3_text", False, 160), ("gemma3_text", True, 160), ("gemma3n", False, 160),
-    ("gemma3_text", False, 24), ("gemma3_text", True, 64)])
+    pytest.param("gemma3_text", False, 160, marks=pytest.mark.slow), ("gemma3_text", True, 160),
+    pytest.param("gemma3n", False, 160, marks=pytest.mark.slow), ("gemma3_text", False, 24),
+    pytest.param("gemma3_text", True, 64, marks=pytest.mark.slow)])
 def test_a_sliding_window_model_with_prefix_caching_hits_shared_prompts_and_decodes_as_mlx_lm(kind, compiled,
                                                                                                num_pages):
     """gemma3_text and gemma3n (window 12, pages of 4) with prefix caching: requests
@@ -696,8 +702,9 @@ def test_a_sliding_window_model_with_prefix_caching_hits_shared_prompts_and_deco
 
 
 @pytest.mark.parametrize("kind, overlap_decode, compiled", [
-    ("gemma3_text", True, False), ("gemma3_text", False, False), ("gemma3_text", True, True),
-    ("gemma3n", False, False), ("gemma3n", True, True)])
+    pytest.param("gemma3_text", True, False, marks=pytest.mark.slow),
+    pytest.param("gemma3_text", False, False, marks=pytest.mark.slow), ("gemma3_text", True, True),
+    pytest.param("gemma3n", False, False, marks=pytest.mark.slow), ("gemma3n", True, True)])
 def test_a_sliding_window_model_without_prefix_caching_decodes_as_mlx_lm_with_window_pages_only(kind, overlap_decode,
                                                                                                 compiled):
     """gemma3_text and gemma3n (window 12; gemma3n's last layers share earlier layers'
