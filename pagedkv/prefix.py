@@ -488,7 +488,8 @@ class PrefixCache:
         that ran ahead of a trim would file the new pages under the old prefix. A page
         registered already is filed again only under the root (``extra_keys``) and the
         token ids it was registered with: keys of another root or other tokens are refused
-        with ``InvalidValueError``, and nothing changes."""
+        with ``InvalidValueError``, and nothing changes; so is a page filed for a sliding
+        window (it holds a sliding layer's K/V)."""
         if isinstance(table, PagedPromptCache):
             return self.register_row(table.rows, 0, tokens)
         return self._register_table(table, tokens)
@@ -527,19 +528,19 @@ class PrefixCache:
     def _register_window(self, table: PageTable, window: WindowKey, keys: PrefixKeys) -> int:
         """File the full pages a sliding table still holds under the nodes of the pages
         at the same indices (``keys.nodes``, from registering the full table). A page
-        whose (window, node) is filed already, or that is filed under another node, is
-        skipped. The new pages are marked cacheable (which checks that they are held)
+        whose (window, node) is filed already, or that is filed under another node or as
+        a full page, is skipped. The new pages are marked cacheable (which checks that they are held)
         before anything is filed. O(pages the table holds)."""
         nodes, ps = keys.nodes, self.pool.page_size
         end = min(table.num_tokens // ps, len(nodes))
         first = table.first_visible() // ps
         if first >= end:
             return 0
-        have, key_of = self._window_page, self._window_key_of
+        have, key_of, full_key_of = self._window_page, self._window_key_of, self._key_of_page
         new = []
         for i, page in enumerate(table.page_ids(first, end).tolist(), first):
             key = (window, nodes[i])
-            if key not in have and page not in key_of:
+            if key not in have and page not in key_of and page not in full_key_of:
                 new.append((i, page, key))
         if new:
             self._file_window_pages(window, new, keys)
@@ -589,7 +590,8 @@ class PrefixCache:
             page, nodes, chunks = pages[0], keys.nodes, keys.pages
             if keys.owner is self and page.__class__ is int and 0 <= first <= len(nodes) and first < len(chunks):
                 key = (nodes[first - 1] if first else keys.root, chunks[first])
-                if key not in self._by_key and page not in self._key_of_page:  # new content
+                if (key not in self._by_key and page not in self._key_of_page
+                        and page not in self._window_key_of):  # new content
                     self._set_cacheable_page(page)  # may refuse (a page not held): nothing has changed yet
                     node = self._next_node
                     self._next_node = node + 1
@@ -639,7 +641,7 @@ class PrefixCache:
                 # (the range is checked here although set_cacheable checks it again below:
                 # node_of is written first, and a negative id would wrap to the pool's end)
                 if (page.__class__ is not int or not 0 <= page < num_pages or k.__class__ is not PrefixKeys
-                        or k.owner is not self or page in key_of):
+                        or k.owner is not self or page in key_of or page in self._window_key_of):
                     break
                 nodes, chunks = k.nodes, k.pages
                 m = len(nodes)
@@ -717,6 +719,7 @@ class PrefixCache:
                 plan.append(j)
                 new_pages.append(page)
         if new_pages:
+            self._check_not_window_pages(new_pages)
             self._set_cacheable(new_pages)  # may refuse: nothing has changed yet
         for key, page in refile.items():
             self._refile(page, key)
@@ -794,6 +797,7 @@ class PrefixCache:
                 return self._register_general(pages, start, keys)
             if as_array is not None:
                 as_array = as_array[i - start :]
+            self._check_not_window_pages(new)
             self._set_cacheable(new if as_array is None else as_array)  # may refuse: nothing has changed yet
             node = self._next_node
             self._next_node = node + m
@@ -858,6 +862,7 @@ class PrefixCache:
                 node += 1
             walked.append(parent)
         if new:
+            self._check_not_window_pages([page for page, _, _ in new])
             self._set_cacheable([page for page, _, _ in new])  # may refuse: nothing has changed yet
         for page, key in refile:
             self._refile(page, key)
@@ -872,6 +877,16 @@ class PrefixCache:
         del nodes[start:]
         nodes.extend(walked)
         return len(new)
+
+    def _check_not_window_pages(self, pages: list[int]) -> None:
+        """Refuse to file pages as full pages that are filed for a sliding window: they
+        hold a sliding layer's K/V, which a full-attention hit must never get (and a page
+        filed twice would leave one key behind once evicted). O(len(pages)) dict lookups,
+        none without sliding windows."""
+        window_key_of = self._window_key_of
+        if window_key_of and not window_key_of.keys().isdisjoint(pages):
+            page = next(p for p in pages if p in window_key_of)
+            raise InvalidValueError(f"page {page} is registered as a sliding window's page; it cannot be a full page")
 
     def _check_refile(self, page: int, key: tuple[int, bytes], root: int) -> None:
         """Refuse to file ``page`` again under ``key`` (of a chain from ``root``) unless

@@ -529,6 +529,41 @@ def test_a_sliding_window_models_outputs_with_prefix_caching_equal_outputs_witho
     pool.allocator.check()
 
 
+@pytest.mark.parametrize("how", ["register_pages", "register_next", "register"])
+def test_a_sliding_tables_registered_page_is_refused_as_a_full_page_and_changes_nothing(how):
+    """A page filed for a sliding window holds a sliding layer's K/V: filing it as a full
+    page too would hand those to a full-attention hit (and leave its window key behind
+    once evicted). It is refused with nothing changed."""
+    model = make_model("gemma3_text")
+    pool = make_pool("gemma3_text", page_size=4, num_pages=128)
+    prefix = PrefixCache(pool, windows=[12])
+    cache, _ = _prefilled(model, prefix, prompt_of(30, seed=3) + prompt_of(6, seed=1))
+    sliding = next(t for t in cache.tables if t.window is not None)
+    full_pages = sliding.num_tokens // 4
+    page = int(sliding.page_ids(full_pages - 1, full_pages)[0])  # its last full page
+    assert page in prefix._window_key_of
+    keys = prefix.keys(prompt_of(9, seed=9))  # fresh content, not cached anywhere
+    table = PageTable(pool)
+    if how == "register":
+        pool.allocator.incref([page])
+        table.adopt([page])
+    before = (dict(prefix._by_key), dict(prefix._key_of_page), dict(prefix._window_key_of), prefix.stats(),
+              pool.allocator.stats())
+    with pytest.raises(InvalidValueError, match="sliding"):
+        if how == "register_pages":
+            prefix.register_pages([page], keys)
+        elif how == "register_next":
+            prefix.register_next([page], [keys])
+        else:
+            prefix.register(table, keys)
+    assert (dict(prefix._by_key), dict(prefix._key_of_page), dict(prefix._window_key_of), prefix.stats(),
+            pool.allocator.stats()) == before
+    assert keys.nodes == []
+    table.release()
+    cache.release()
+    pool.allocator.check()
+
+
 def test_a_sliding_window_hit_ends_where_every_window_page_it_needs_is_cached():
     """With a sliding layer's page 5 evicted, a hit cannot end after page 6 or 7 (a query
     there sees page 5), so it ends after page 5, whose window needs pages 2-4; the
