@@ -136,7 +136,7 @@ class PrefixCache:
         self._node_of_page = array("q", bytes(8 * pool.num_pages))
         self._node_np = np.frombuffer(self._node_of_page, dtype=np.int64)
         # registered page -> the root (``extra_keys``) it was computed under: a page filed
-        # again under a newer chain (``_register_general``) must keep its root
+        # again under a newer chain keeps its root (``_check_refile``)
         self._root_of_page = array("q", bytes(8 * pool.num_pages))
         self._root_np = np.frombuffer(self._root_of_page, dtype=np.int64)
         self._roots: dict[bytes, int] = {}
@@ -529,8 +529,8 @@ class PrefixCache:
         """File the full pages a sliding table still holds under the nodes of the pages
         at the same indices (``keys.nodes``, from registering the full table). A page
         whose (window, node) is filed already, or that is filed under another node or as
-        a full page, is skipped. The new pages are marked cacheable (which checks that they are held)
-        before anything is filed. O(pages the table holds)."""
+        a full page, is skipped. The new pages are marked cacheable (which checks that
+        they are held) before anything is filed. O(pages the table holds)."""
         nodes, ps = keys.nodes, self.pool.page_size
         end = min(table.num_tokens // ps, len(nodes))
         first = table.first_visible() // ps
