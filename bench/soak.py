@@ -3,7 +3,7 @@ model with sliding and full layers, forks, views, a batch and a prefix cache, in
 pool that runs out often, with bad input mixed in.
 
 Counts, and prints at the end:
-- invariant violations: ``allocator.check()`` failures (run every ``--check-every`` ops
+- invariant violations: ``allocator.check()`` and ``PrefixCache.check()`` failures (run every ``--check-every`` ops
   and after every failed call);
 - unchanged-state violations: a call that raised a pagedkv or allocator error but
   changed the allocator (states, counts, LRU, free list) or a table;
@@ -252,6 +252,7 @@ class Soak:
     def _check(self) -> None:
         try:
             self.pool.allocator.check()
+            self.prefix.check()
         except AssertionError:
             self.counts["invariant violations"] += 1
 

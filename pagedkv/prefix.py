@@ -54,6 +54,7 @@ from typing import Sequence, Union
 import attrs
 import numpy as np
 
+from allocators import InvariantViolation, PageState
 from pagedkv.cache import PagedPromptCache, make_paged_cache
 from pagedkv.disk_tier import DiskTier, chain_digest, root_digest, window_digest
 from pagedkv.errors import (
@@ -921,6 +922,36 @@ class PrefixCache:
             digests[node] = (digest, above)
             above = digest
             node += 1
+
+    def check(self) -> None:
+        """Verify that the maps agree: each key names one page and each page one key, no
+        page is filed both as a full page and as a window page, every filed page is held
+        or CACHED and marked cacheable (so its eviction reaches ``_forget``), no two
+        filed pages share a node, and checkpoints map both ways. O(pages filed); raises
+        ``InvariantViolation`` describing the first problem found. For tests and soaks
+        (as ``allocator.check``), not for a serving loop."""
+        by_key, key_of = self._by_key, self._key_of_page
+        window_page, window_key_of = self._window_page, self._window_key_of
+        if len(by_key) != len(key_of) or any(by_key.get(key) != page for page, key in key_of.items()):
+            raise InvariantViolation("the key -> page and page -> key maps of full pages disagree")
+        if len(window_page) != len(window_key_of) or any(
+                window_page.get(key) != page for page, key in window_key_of.items()):
+            raise InvariantViolation("the key -> page and page -> key maps of window pages disagree")
+        both = key_of.keys() & window_key_of.keys()
+        if both:
+            raise InvariantViolation(f"page {min(both)} is filed as a full page and as a window page")
+        allocator = self.pool.allocator
+        for page in [*key_of, *window_key_of]:
+            if allocator.page_state(page) not in (PageState.IN_USE, PageState.CACHED):
+                raise InvariantViolation(f"filed page {page} is {allocator.page_state(page).name}")
+            if not allocator.is_cacheable(page):
+                raise InvariantViolation(f"filed page {page} is not marked cacheable")
+        nodes = [self._node_of_page[page] for page in key_of]
+        if len(set(nodes)) != len(nodes):
+            raise InvariantViolation("two filed pages share a node")
+        if len(self._checkpoint) != len(self._node_of_slot) or any(
+                self._node_of_slot.get(slot) != node for node, slot in self._checkpoint.items()):
+            raise InvariantViolation("the node -> checkpoint and checkpoint -> node maps disagree")
 
     def stats(self) -> PrefixStats:
         return PrefixStats(

@@ -221,6 +221,7 @@ class HybridSequences(FilterBatchRule, RuleBasedStateMachine):
     def everything_reads_its_reference(self):
         self.pool.allocator.check()
         self.states.allocator.check()
+        self.prefix.check()
         for cache, ids, _ in self.seqs:
             if ids:
                 self._expect(cache, [ids])

@@ -13,6 +13,7 @@ from tiny_models import (
     prompt_of,
 )
 
+from allocators import InvariantViolation
 from pagedkv import (
     InvalidValueError,
     NotSupportedError,
@@ -261,6 +262,28 @@ def test_registered_pages_are_refused_under_another_root_or_other_tokens(model, 
     table.release()
     pool.allocator.decref(pages)
     pool.allocator.check()
+
+
+@pytest.mark.parametrize("break_it", ["a key forgotten", "a page not cacheable", "a page filed twice",
+                                      "a page given back"])
+def test_check_finds_each_kind_of_broken_map(break_it):
+    pool = make_pool("llama", page_size=PS, num_pages=64)
+    prefix = PrefixCache(pool)
+    pages = pool.allocator.allocate(3).tolist()
+    prefix.register_pages(pages, prefix.keys(prompt_of(3 * PS + 1, seed=4)))
+    prefix.check()
+    if break_it == "a key forgotten":
+        del prefix._by_key[prefix._key_of_page[pages[1]]]
+    elif break_it == "a page not cacheable":
+        pool.allocator.set_cacheable(pages[:1], False)
+    elif break_it == "a page filed twice":
+        prefix._window_key_of[pages[2]] = ((4, 0), 1)
+        prefix._window_page[((4, 0), 1)] = pages[2]
+    else:  # its count dropped to 0 without it being cacheable: FREE, yet filed
+        pool.allocator.set_cacheable(pages[1:2], False)
+        pool.allocator.decref(pages[1:2])
+    with pytest.raises(InvariantViolation):
+        prefix.check()
 
 
 def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):

@@ -319,6 +319,7 @@ class Sequences(FilterBatchRule, RuleBasedStateMachine):
     @invariant()
     def everything_reads_its_reference(self):
         self.pool.allocator.check()
+        self.prefix.check()
         for cache, per_layer, _ in self.seqs:
             for layer in range(2):
                 if cache[layer].offset:
