@@ -192,6 +192,9 @@ class Soak:
             if self.seqs else a.allocate(-1),
             lambda: self.seqs[0][0].trim(-1) if self.seqs else a.allocate(-1),
             lambda: self.prefix.register(self.seqs[0], ["x"] * 99) if self.seqs else a.allocate(-1),
+            # keys of another root (another adapter's): its registered pages are refused
+            lambda: self.prefix.register(self.seqs[0], self.prefix.keys(list(range(1, 2000)), extra_keys=b"other"))
+            if self.seqs else a.allocate(-1),
             lambda: self.batch.extract(99),
         ])()
 
