@@ -636,13 +636,14 @@ class PrefixCache:
             # same content twice is in ``by_key``, and a sequence listed twice has a node
             # made in this call (nodes are serials, so one ``>= first``).
             by_key, key_of, node_of, root_of = self._by_key, self._key_of_page, self._node_of_page, self._root_of_page
+            window_key_of = self._window_key_of
             node = first = self._next_node
             num_pages = self._num_pages
             for page, k in zip(pages, keys):
                 # (the range is checked here although set_cacheable checks it again below:
                 # node_of is written first, and a negative id would wrap to the pool's end)
                 if (page.__class__ is not int or not 0 <= page < num_pages or k.__class__ is not PrefixKeys
-                        or k.owner is not self or page in key_of or page in self._window_key_of):
+                        or k.owner is not self or page in key_of or page in window_key_of):
                     break
                 nodes, chunks = k.nodes, k.pages
                 m = len(nodes)
