@@ -112,6 +112,7 @@ def test_incref_of_free_page_raises(make):
 @pytest.mark.parametrize("bad", [
     [-1], [4], [0, 99], [2**40], [-2**40], [2**62], [-2**62], np.array([2**63 + 5], dtype=np.uint64),
     np.array([0] * 40 + [-1]), np.array([1] * 40 + [4]), np.array([2] * 40 + [2**56 + 1]), np.array([-2**63] + [3] * 40),
+    np.array([0] * 2000 + [-1]), np.array([1] * 2000 + [4]),  # (long lists: checked by a reduction)
 ], ids=lambda bad: f"{np.asarray(bad).dtype}{np.asarray(bad).tolist()[-3:]}")
 def test_out_of_range_ids_raise_invalid_page(make, bad):
     a = make(4)
