@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allocators import (
     NULL_PAGE,
@@ -467,3 +469,23 @@ def test_short_lists_and_arrays_take_the_loop_and_end_where_the_array_path_ends(
     assert as_list == run(lambda ids: np.array(ids, dtype=np.int64)) == run(tuple)
     assert as_list[1] == ["RefCountError", "RefCountError", "RefCountError", "InvalidPage", "InvalidPage",
                           "RefCountError", "InvalidPage"]
+
+
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from(["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]),
+       values=st.lists(st.one_of(st.integers(-3, 12), st.integers(-2**63, 2**64 - 1)), max_size=40),
+       repeat=st.sampled_from([1, 60]))
+def test_an_id_array_of_any_integer_dtype_is_read_exactly_or_refused_whole(dtype, values, repeat):
+    """``refcounts`` of ids of any integer dtype, short (a Python loop's range check) or
+    long (the array's): the counts of the ids as the dtype holds them, or ``InvalidPage``
+    exactly when one of them is not a page."""
+    a = FreeListAllocator(10)
+    a.allocate(10)
+    a.incref([3, 3])
+    info = np.iinfo(dtype)
+    ids = np.array([v for v in values if info.min <= v <= info.max] * repeat, dtype=dtype)
+    if all(0 <= int(v) < 10 for v in ids.tolist()):
+        assert a.refcounts(ids).tolist() == [3 if int(v) == 3 else 1 for v in ids.tolist()]
+    else:
+        with pytest.raises(InvalidPage):
+            a.refcounts(ids)
