@@ -172,7 +172,7 @@ class PagedKVCache(LayerFace):
             rows = table
             layer = check_int("layer", layer, minimum=0, maximum=rows.layout.num_layers - 1)
         elif isinstance(table, PageTable):
-            layer = check_int("layer", layer, minimum=0, maximum=table.pool.num_layers - 1)
+            layer = table.pool.check_layer(layer)
             if table.released:
                 raise ReleasedError("cannot build a cache on a released page table")
             rows = RowSet(LayerLayout.uniform(table.pool, [layer], table.window, table.rewind), [[table]])

@@ -291,7 +291,7 @@ class PagePool:
         The single write path of pagedkv. In place (buffer donation) unless a caller
         keeps a pending read of this layer, which is evaluated first.
         """
-        check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        layer = self.check_layer(layer)
         self.check_kv(keys, values)
         self.write_checked(layer, rows, slots, keys, values)
 
@@ -422,19 +422,25 @@ class PagePool:
 
         return view(self._k[layer]), view(self._v[layer])
 
+    def check_layer(self, layer: object) -> int:
+        """``layer`` as an index of one of the pool's layers; ``InvalidTypeError`` or
+        ``InvalidValueError`` otherwise (-1 too: it would name the last layer). One
+        comparison for an int in range, as the hot paths pass."""
+        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
+            layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        return layer
+
     def layer_arrays(self, layer: int) -> tuple[mx.array, mx.array]:
         """The current K and V arrays of a full-precision layer, for a kernel that reads
         the pool directly. Use them within one expression; never keep them (a kept
         reference turns the next write of this layer into a copy of the whole layer)."""
-        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
-            layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        layer = self.check_layer(layer)
         return self._k[layer][0], self._v[layer][0]
 
     def storage(self, layer: int) -> list[mx.array]:
         """Every array holding ``layer``'s pages (K's codec components, then V's). Do
         not keep them (see ``layer_arrays``)."""
-        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
-            layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
+        layer = self.check_layer(layer)
         return self._k[layer] + self._v[layer]
 
     def written(self, layer: int) -> list[mx.array]:

@@ -55,7 +55,7 @@ class KvAttentionView:
     ) -> None:
         if not isinstance(pool, PagePool):
             raise InvalidTypeError(f"pool must be a PagePool, got {type(pool).__name__}")
-        layer = check_int("layer", layer, minimum=0, maximum=pool.num_layers - 1)
+        layer = pool.check_layer(layer)
         tables = list(tables)
         if not tables:
             raise InvalidValueError("a view needs at least one page table")
