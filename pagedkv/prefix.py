@@ -721,8 +721,7 @@ class PrefixCache:
                 plan.append(j)
                 new_pages.append(page)
         if new_pages:
-            self._check_not_window_pages(new_pages)
-            self._set_cacheable(new_pages)  # may refuse: nothing has changed yet
+            self._mark_new_full_pages(new_pages)  # may refuse: nothing has changed yet
         for key, page in refile.items():
             self._refile(page, key)
         node = self._next_node
@@ -799,8 +798,7 @@ class PrefixCache:
                 return self._register_general(pages, start, keys)
             if as_array is not None:
                 as_array = as_array[i - start :]
-            self._check_not_window_pages(new)
-            self._set_cacheable(new if as_array is None else as_array)  # may refuse: nothing has changed yet
+            self._mark_new_full_pages(new, as_array)  # may refuse: nothing has changed yet
             node = self._next_node
             self._next_node = node + m
             if self.disk is not None:
@@ -864,8 +862,7 @@ class PrefixCache:
                 node += 1
             walked.append(parent)
         if new:
-            self._check_not_window_pages([page for page, _, _ in new])
-            self._set_cacheable([page for page, _, _ in new])  # may refuse: nothing has changed yet
+            self._mark_new_full_pages([page for page, _, _ in new])  # may refuse: nothing has changed yet
         for page, key in refile:
             self._refile(page, key)
         for page, key, made in new:
@@ -880,15 +877,17 @@ class PrefixCache:
         nodes.extend(walked)
         return len(new)
 
-    def _check_not_window_pages(self, pages: list[int]) -> None:
-        """Refuse to file pages as full pages that are filed for a sliding window: they
-        hold a sliding layer's K/V, which a full-attention hit must never get (and a page
-        filed twice would leave one key behind once evicted). O(len(pages)) dict lookups,
-        none without sliding windows."""
+    def _mark_new_full_pages(self, pages: list[int], as_array: np.ndarray | None = None) -> None:
+        """Before new full pages are filed: refuse pages filed for a sliding window (they
+        hold a sliding layer's K/V, which a full-attention hit must never get, and a page
+        filed twice would leave one key behind once evicted), then mark them cacheable,
+        which refuses pages not held. ``as_array``: the same ids as an array, if the
+        caller has one. Raises before anything changes. O(len(pages))."""
         window_key_of = self._window_key_of
         if window_key_of and not window_key_of.keys().isdisjoint(pages):
             page = next(p for p in pages if p in window_key_of)
             raise InvalidValueError(f"page {page} is registered as a sliding window's page; it cannot be a full page")
+        self._set_cacheable(pages if as_array is None else as_array)
 
     def _check_refile(self, page: int, key: tuple[int, bytes], root: int) -> None:
         """Refuse to file ``page`` again under ``key`` (of a chain from ``root``) unless
