@@ -37,6 +37,13 @@ def model():
     return make_model("llama")
 
 
+def filed_state(prefix, *keys):
+    """What a refused call must leave as it was: the prefix cache's maps, the nodes of
+    ``keys``, its stats and its pool allocator's."""
+    return (dict(prefix._by_key), dict(prefix._key_of_page), dict(prefix._window_page), dict(prefix._window_key_of),
+            [list(k.nodes) for k in keys], prefix.stats(), prefix.pool.allocator.stats())
+
+
 def run(model, cache, rest, n=12):
     return list(generate(model, cache, rest, max_tokens=n))
 
@@ -242,22 +249,20 @@ def test_registered_pages_are_refused_under_another_root_or_other_tokens(model, 
     if how == "register":
         pool.allocator.incref(pages)
         table.adopt(pages, 2 * PS)
-    before = (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), prefix.stats(),
-              pool.allocator.stats())
+    before = filed_state(prefix, keys)
     with pytest.raises(InvalidValueError, match="registered"):
         if how == "register_pages":
             prefix.register_pages(pages, keys)
         elif how == "register_next":
             if other == "tokens":
                 prefix.register_pages(pages[:1], keys)  # the first page is the same content
-                before = before[:2] + (list(keys.nodes),) + before[3:]
+                before = filed_state(prefix, keys)  # (its nodes moved on; nothing else changed)
             else:
                 prefix.register_next(pages[:1], [keys])
             prefix.register_next(pages[len(keys.nodes):][:1], [keys])
         else:
             prefix.register(table, keys)
-    assert (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), prefix.stats(),
-            pool.allocator.stats()) == before
+    assert filed_state(prefix, keys) == before
     assert prefix.match(tokens) == pages
     table.release()
     pool.allocator.decref(pages)
@@ -401,8 +406,7 @@ def test_a_refused_register_next_files_nothing():
     freed = pool.allocator.allocate(1).tolist()
     pool.allocator.decref(freed)
     def state():
-        return (dict(prefix._by_key), dict(prefix._key_of_page), [list(k1.nodes), list(k2.nodes)], prefix.stats(),
-                pool.allocator.stats(), [pool.allocator.is_cacheable(p) for p in p1 + p2])
+        return filed_state(prefix, k1, k2), [pool.allocator.is_cacheable(p) for p in p1 + p2]
 
     before = state()
     for pages, keys, error in (
@@ -431,10 +435,10 @@ def test_register_next_refuses_a_sequence_listed_twice_though_it_has_pages_to_fi
     pool = make_pool("llama", page_size=PS, num_pages=32)
     prefix = PrefixCache(pool)
     ((keys, pages),) = _decoded(prefix, pool, [prompt_of(4 * PS, seed=7)])
-    before = (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), pool.allocator.stats())
+    before = filed_state(prefix, keys)
     with pytest.raises(ValueError):
         prefix.register_next([pages[1], pages[2]], [keys, keys])
-    assert (dict(prefix._by_key), dict(prefix._key_of_page), list(keys.nodes), pool.allocator.stats()) == before
+    assert filed_state(prefix, keys) == before
     assert [prefix.register_next([p], [keys]) for p in pages[1:]] == [1, 1, 1]
 
 
@@ -448,7 +452,7 @@ def test_a_refused_one_page_register_pages_files_nothing():
     freed = pool.allocator.allocate(1).tolist()
     pool.allocator.decref(freed)
     other = PrefixCache(make_pool("llama", page_size=PS, num_pages=8)).keys(prompt_of(2 * PS, seed=3))
-    before = (dict(prefix._by_key), list(keys.nodes), prefix.stats(), pool.allocator.stats())
+    before = filed_state(prefix, keys)
     for pages, k, first, error in (
         (freed, keys, 0, ValueError),  # a page nobody holds (RefCountError)
         ([10**6], keys, 0, ValueError),  # out of the pool
@@ -462,7 +466,7 @@ def test_a_refused_one_page_register_pages_files_nothing():
     ):
         with pytest.raises(error):
             prefix.register_pages(pages, k, first)
-    assert (dict(prefix._by_key), keys.nodes, prefix.stats(), pool.allocator.stats()) == before
+    assert filed_state(prefix, keys) == before
     assert prefix.register_pages(np.array(held), keys) == 1  # numpy ids take the general path
     assert prefix.register_pages(held, prefix.keys(prompt_of(2 * PS + 1, seed=5))) == 0  # known content
     assert len(prefix.match(keys)) == 1
@@ -489,10 +493,10 @@ def test_pages_filed_below_an_evicted_twin_are_filed_again_below_their_own_chain
 
     first = pool.allocator.allocate(1).tolist()  # a page nobody will hold: the register refuses
     pool.allocator.decref(first)
-    before = (dict(prefix._by_key), dict(prefix._key_of_page), prefix.stats(), pool.allocator.stats())
+    before = filed_state(prefix)
     with pytest.raises(ValueError):
         prefix.register_pages(first + b_pages[1:], prefix.keys(b))
-    assert (dict(prefix._by_key), dict(prefix._key_of_page), prefix.stats(), pool.allocator.stats()) == before
+    assert filed_state(prefix) == before
 
     keys = prefix.keys(b)
     if how == "register_pages":
@@ -570,8 +574,7 @@ def test_a_sliding_tables_registered_page_is_refused_as_a_full_page_and_changes_
     if how == "register":
         pool.allocator.incref([page])
         table.adopt([page])
-    before = (dict(prefix._by_key), dict(prefix._key_of_page), dict(prefix._window_key_of), prefix.stats(),
-              pool.allocator.stats())
+    before = filed_state(prefix, keys)
     with pytest.raises(InvalidValueError, match="sliding"):
         if how == "register_pages":
             prefix.register_pages([page], keys)
@@ -579,8 +582,7 @@ def test_a_sliding_tables_registered_page_is_refused_as_a_full_page_and_changes_
             prefix.register_next([page], [keys])
         else:
             prefix.register(table, keys)
-    assert (dict(prefix._by_key), dict(prefix._key_of_page), dict(prefix._window_key_of), prefix.stats(),
-            pool.allocator.stats()) == before
+    assert filed_state(prefix, keys) == before
     assert keys.nodes == []
     table.release()
     cache.release()
