@@ -298,6 +298,11 @@ def test_can_admit_counts_free_and_evictable_pages_and_a_watermark(model):
     assert not can_admit(pool, 40, 41, watermark=0.0)
     assert not can_admit(pool, 40, 30, watermark=0.2)
     assert can_admit(pool, 40, 41, cached_tokens=16, watermark=0.0)
+    # a cached part of a page saves no page: its page is written again
+    assert not can_admit(pool, 80, 8, cached_tokens=6, watermark=0.0)  # 11 pages, none cached
+    assert can_admit(pool, 80, 8, cached_tokens=8, watermark=0.0)
+    # the watermark's pages are rounded up: 1% of 10 pages keeps one free
+    assert can_admit(pool, 72, 0, watermark=0.01) and not can_admit(pool, 73, 0, watermark=0.01)
     cache = make_paged_cache(model, pool)
     model(mx.array([prompt_of(30)]), cache=cache)
     assert not can_admit(pool, 40, 20, watermark=0.0)

@@ -7,6 +7,7 @@ pieces: ``TextStream`` (incremental text, stop strings) and ``sample_rows``."""
 from __future__ import annotations
 
 import collections
+import functools
 import random
 import threading
 
@@ -69,6 +70,13 @@ class Sink:
         return self.deltas[rid][-1]
 
 
+def metric(engine: Engine, name: str) -> float:
+    """The value of counter ``pagedkv:<name>_total`` (or gauge ``pagedkv:<name>``)."""
+    get = functools.partial(engine.metrics.registry.get_sample_value, labels={"model_name": "pagedkv"})
+    value = get(f"pagedkv:{name}_total")
+    return get(f"pagedkv:{name}") if value is None else value
+
+
 def run(engine: Engine) -> int:
     steps = 0
     while engine.has_work:
@@ -98,8 +106,20 @@ def test_batched_greedy_equals_solo_with_preemptions_and_returns_every_page(mode
         reqs.append((f"r{i}", prompt, rng.randrange(1, 24)))
         work.append(GenerationRequest(f"r{i}", prompt, SamplingParams(max_tokens=reqs[-1][2]), sink))
         engine.add(work[-1])
+    preempt = engine._preempt_newest
+
+    def preempt_only_live_rows():  # (a row whose request ended gives its pages back first)
+        assert all(r.finish_reason is None for r in engine.running)
+        preempt()
+
+    engine._preempt_newest = preempt_only_live_rows
     run(engine)
     assert sum(w.preemptions for w in work) > 0  # 40 pages of 4 tokens are too few at once
+    # each prompt is counted once, at its first admission, and so are its cached tokens
+    assert metric(engine, "prompt_tokens") == sum(len(p) for _, p, _ in reqs)
+    assert metric(engine, "prefix_cache_hits") == sum(sink.last(rid).usage.cached_tokens for rid, _, _ in reqs)
+    if prefix_caching:
+        assert sum(sink.last(rid).usage.cached_tokens for rid, _, _ in reqs) > 0
     if compiled_decode:  # the steps were traced (a batch size and table width each) and replayed
         assert engine._compiled.traces > 1
     for rid, prompt, n in reqs:
@@ -379,6 +399,22 @@ def test_abort_of_a_running_or_waiting_request_frees_its_pages_by_the_next_step(
     assert sink.last("run").finish_reason == sink.last("wait").finish_reason == "abort"
     engine.step()
     assert engine.pool.allocator.stats().in_use == 0 and not engine.has_work
+    # the aborted waiting request was never run: its one delta is the abort
+    assert len(sink.deltas["wait"]) == 1 and sink.last("wait").usage.completion_tokens == 0
+
+
+def test_a_finished_requests_generated_tokens_serve_the_next_requests_prefix(model):
+    # a chat's next turn: the first answer's pages are found, not only the first prompt's
+    for overlap in (True, False):
+        engine, sink = make_engine(model, overlap_decode=overlap), Sink()
+        prompt = list(range(1, 10))  # 9 tokens: 2 full pages of 4
+        engine.add(GenerationRequest("a", prompt, SamplingParams(max_tokens=12), sink))
+        run(engine)
+        turn = prompt + sink.ids("a") + [7]
+        engine.add(GenerationRequest("b", turn, SamplingParams(max_tokens=3), sink))
+        run(engine)
+        assert sink.last("b").usage.cached_tokens == 20, overlap  # 21 tokens written: 5 full pages
+        assert sink.ids("b") == solo(model, turn, 3)
 
 
 def test_a_long_prompt_is_prefilled_over_several_steps_while_running_rows_decode(model):
@@ -484,6 +520,13 @@ def test_text_stream_holds_back_half_characters():
     assert out[-1] == "x"
 
 
+def test_text_stream_gives_a_cut_character_at_the_end_as_a_replacement_character():
+    stream = TextStream(lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    data = "ab😀".encode()[:-1]  # the generation ended inside the emoji
+    assert "".join(stream.push(b) for b in data) == "ab"
+    assert stream.finish() == "\ufffd" and stream.text == "ab\ufffd"
+
+
 def test_text_stream_stops_before_a_stop_string_split_over_tokens():
     stream = TextStream(lambda ids: "".join(chr(i) for i in ids), stop=["END", "zz"])
     out = [stream.push(ord(c)) for c in "abcENabENDxyz"]
@@ -524,6 +567,26 @@ def test_sample_rows_greedy_nucleus_and_temperature():
     assert 0.3 < firsts.count(3) / firsts.count(1) < 1.5  # e^-0.1 ≈ 0.9
     half = SamplingParams(max_tokens=1, temperature=1.0, top_p=0.6)  # tokens 1 and 3 only
     assert set(sample_rows(logits, [half, half]).tolist()[0] for _ in range(100)) <= {1, 3}
+
+
+@pytest.mark.parametrize("temperature, top_p", [(0.5, 1.0), (1.0, 1.0), (2.0, 1.0), (0.7, 0.8)])
+def test_sampled_and_seeded_rows_draw_from_the_tempered_nucleus_distribution(temperature, top_p):
+    logits = np.array([0.0, 1.0, 2.0, 2.5, -1.0])
+    p = np.exp(logits / temperature)
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.cumsum(p[order]) - p[order] < top_p  # the nucleus: tokens whose mass above is below top_p
+    p[order[~keep]] = 0
+    p /= p.sum()
+    n = 6000
+    rows = mx.array(np.broadcast_to(logits, (n, logits.size)).astype(np.float32))
+    mx.random.seed(3)
+    unseeded = [SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p)] * n
+    seeded = [SamplingParams(max_tokens=1, temperature=temperature, top_p=top_p, seed=s) for s in range(n)]
+    for params in (unseeded, seeded):
+        drawn = np.array(sample_rows(rows, params, [5] * n))
+        freq = np.bincount(drawn, minlength=logits.size) / n
+        assert np.all(np.abs(freq - p) <= 5 * np.sqrt(p * (1 - p) / n) + 1e-9), (freq, p)
 
 
 def test_a_seeded_row_draws_by_its_seed_and_position_alone_whatever_else_is_sampled():
@@ -611,6 +674,23 @@ def test_a_request_that_fits_only_with_the_compiled_steps_lookahead_pages_is_adm
     assert sink.ids("c") == solo(model, prompt, 16)
     assert sink.ids("a") == solo(model, [1, 2, 3], 30)
     assert engine.pool.allocator.stats().in_use == 0
+
+
+def test_a_prompt_whose_prefill_needs_the_lookahead_pages_gets_them_before_it_starts(model):
+    engine = make_engine(model, num_pages=24, compiled_decode=True, prefix_caching=False)
+    sink = Sink()
+    engine.add(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=30), sink))
+    engine.add(GenerationRequest("b", [4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=30), sink))
+    engine.step()
+    assert engine._compiled.lookahead_pages == 2 and engine.pool.allocator.num_available() == 18
+    # its prompt alone takes 19 pages: one more than is free while the lookahead is held
+    prompt = [(7 * i) % 100 + 1 for i in range(75)]
+    engine.add(GenerationRequest("c", prompt, SamplingParams(max_tokens=1), sink))
+    engine.step()
+    assert sink.ids("c") == solo(model, prompt, 1)  # prefilled in this step, not run out and put back
+    run(engine)
+    assert sink.ids("a") == solo(model, [1, 2, 3], 30) and sink.ids("b") == solo(model, [4, 5, 6, 7, 8, 9], 30)
+    assert engine.pool.allocator.stats().in_use == 0 and metric(engine, "num_preemptions") == 0
 
 
 def test_compiled_decode_is_the_default_with_cuda_refused_where_it_cannot_serve_and_rebuilt_by_fail_all(model):
