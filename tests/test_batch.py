@@ -280,3 +280,54 @@ def test_a_batch_of_sliding_window_rows_decodes_as_mlx_lm_decodes_each_row_alone
     batch.release()
     pool.allocator.check()
     assert pool.allocator.num_in_use() == 0
+
+
+def test_rows_reordered_by_filter_each_read_their_own_pages():
+    """Two rows of one length whose tables have the same history (so the same version
+    counts): after ``filter([1, 0])`` each row still reads its own pages, not the
+    page-table row that the last step's read left at its index."""
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=64)
+    prompts = [prompt_of(10, seed=5), prompt_of(10, seed=6)]
+    batch = PagedBatch.for_model(model, pool)
+    refs, toks = [], []
+    for p in prompts:
+        c = make_paged_cache(model, pool)
+        toks.append(int(mx.argmax(model(mx.array(p)[None], cache=c)[0, -1]).item()))
+        refs.append(make_prompt_cache(model))
+        model(mx.array(p)[None], cache=refs[-1])
+        batch.extend(c)
+    for step in range(6):
+        if step == 3:
+            batch.filter([1, 0])
+            toks, refs = toks[::-1], refs[::-1]
+        logits = model(mx.array(toks)[:, None], cache=batch.caches)[:, -1]
+        want = mx.concatenate([model(mx.array([[t]]), cache=r)[:, -1] for t, r in zip(toks, refs)])
+        assert mx.allclose(logits, want, atol=LOGITS_ATOL).item(), step
+        toks = mx.argmax(want, axis=-1).tolist()
+    batch.release()
+    assert pool.allocator.num_in_use() == 0
+
+
+@pytest.mark.parametrize("pages, run", [
+    ([2, 3, 4], 2), ([7], 7), ([2, 4, 5], -1), ([2, 4, 3, 5], -1), ([5, 4, 3], -1)])
+def test_one_rows_pages_of_consecutive_ids_are_read_as_one_run(pages, run):
+    """A read reports a run (its first id) only for one row whose pages are consecutive
+    ids in order: such a row's keys are one slice of the pool (``PagePool.borrow_run``)."""
+    from pagedkv import PageTable
+    from pagedkv.padded_page_table import PaddedPageTable
+
+    pool = make_pool("llama", page_size=4, num_pages=16)
+    held = pool.allocator.allocate(8).tolist()
+    assert held == list(range(1, 9))
+    table = PageTable(pool)
+    table.adopt(pages)  # (the table takes our reference to these)
+    padded = PaddedPageTable(pool.null_page)
+    n = len(pages)
+    padded.update([table], np.array([0]), np.array([n]), n)
+    assert padded.run == run
+    padded.update([table, table], np.array([0, 0]), np.array([n, n]), n)  # two rows: no run
+    assert padded.run == -1
+    table.release()
+    pool.allocator.decref([p for p in held if p not in pages])
+    assert pool.allocator.num_in_use() == 0

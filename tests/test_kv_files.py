@@ -206,3 +206,39 @@ def test_a_version_1_file_without_a_metadata_checksum_still_loads(model, tmp_pat
     rewrite_meta(path, tmp_path / "v2", meta_checksum=None)  # version 2 needs it
     with pytest.raises(CorruptKvFileError, match="checksum"):
         load_cache(tmp_path / "v2", model, make_pool(), model_id="tiny")
+
+
+def safetensors_bytes(header: dict, body: bytes, declared: int | None = None) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text) if declared is None else declared) + text + body
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"dtype": "F32", "shape": [2], "data_offsets": [0.0, 8.0]}, "malformed"),  # float offsets
+    ({"dtype": "F32", "shape": [2], "data_offsets": [False, 8]}, "malformed"),  # a bool is no offset
+    ({"dtype": "F32", "shape": [-2, -1], "data_offsets": [0, 8]}, "malformed"),  # negative sizes, product 2
+    ({"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}, "malformed"),
+    ({"dtype": "F31", "shape": [2], "data_offsets": [0, 8]}, "malformed"),
+    ({"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}, "do not hold"),  # a range backwards
+    ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "do not hold"),
+])
+def test_a_malformed_tensor_entry_is_a_corrupt_file_error(entry, why):
+    with pytest.raises(CorruptKvFileError, match=why):
+        parse(safetensors_bytes({"t": entry}, bytes(8)))
+
+
+def test_a_header_longer_than_the_file_is_refused_before_it_is_parsed():
+    data = safetensors_bytes({"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}, b"")
+    parse(data)  # (a valid file: one empty tensor)
+    for declared in (len(data) - 7, 1 << 40):  # the header as declared runs past the end
+        with pytest.raises(CorruptKvFileError, match="header of"):
+            parse(safetensors_bytes({"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}, b"",
+                                    declared=declared))
+
+
+def test_empty_tensors_round_trip_beside_others():
+    tensors = {"a": np.arange(3, dtype=np.float32), "z": np.zeros((0, 4), np.int32), "b": np.ones(2, np.int64)}
+    got, meta, _ = parse(b"".join(bytes(p) for p in encode(tensors, {"k": "v"})))
+    assert meta == {"k": "v"} and list(got) == ["a", "z", "b"]
+    assert all(got[k].dtype == v.dtype and got[k].shape == v.shape and np.array_equal(got[k], v)
+               for k, v in tensors.items())

@@ -7,6 +7,7 @@ from mlx.utils import tree_flatten
 from tiny_models import PAGE_KINDS, codecs_for
 
 from pagedkv import (
+    AffineQuant,
     InvalidTypeError,
     InvalidValueError,
     KvDTypeError,
@@ -17,10 +18,11 @@ from pagedkv import (
     PageTable,
     PoolExhausted,
     ReleasedError,
+    rotated,
 )
 from pagedkv.kernels import paged_decode
 from pagedkv.pool import head_rows_for
-from pagedkv.table import BatchAppend
+from pagedkv.table import BatchAppend, check_dropped, peak_pages
 
 H, D = 2, 32
 
@@ -40,6 +42,35 @@ def pool_snapshot(pool):
     arrays = []
     arrays += [(np.array(k), np.array(v)) for ks, vs in zip(pool._k, pool._v) for k, v in zip(ks, vs)]
     return pool.allocator.stats(), arrays
+
+
+@pytest.mark.parametrize("tokens, window, rewind, chunk, pages", [
+    (100, None, 0, 16, 25),  # no window: every page
+    (100, 12, 0, 0, 4),  # between forwards: the window's 12 tokens can straddle 4 pages
+    (100, 12, 0, 1, 5),  # a decode step: the window and two tokens
+    (100, 12, 0, 16, 12),  # 12 + 2 * 16 = 44 tokens: 11 pages, and one for a straddle
+    (100, 12, 5, 16, 14),  # 5 tokens of rewind more: 49 tokens, 13 pages and one
+    (10, 12, 0, 16, 3),  # a sequence shorter than that: its own pages
+])
+def test_peak_pages_of_a_sliding_table_is_its_window_and_two_forwards_not_the_sequence(
+        tokens, window, rewind, chunk, pages):
+    assert peak_pages(tokens, 4, window, rewind, chunk) == pages
+
+
+def test_check_dropped_allows_what_no_query_sees_and_refuses_the_rest():
+    check_dropped(20, None, 0, 4)  # nothing dropped: any table
+    check_dropped(20, 8, 3, 4)  # a query at 20 sees from 13 on: pages 0-2 hold 0-11
+    for num_tokens, window, dropped in ((20, 8, 4), (20, None, 1), (20, 8, -1)):
+        with pytest.raises(InvalidValueError):
+            check_dropped(num_tokens, window, dropped, 4)
+
+
+def test_a_pools_repr_names_its_page_kinds():
+    plain = PagePool(num_layers=2, num_kv_heads=1, head_dim=64, page_size=4, num_pages=8, dtype=mx.float16)
+    assert "dtype=mlx.core.float16, k=float16, v=float16" in repr(plain)
+    packed = PagePool(num_layers=2, num_kv_heads=1, head_dim=64, page_size=4, num_pages=8, dtype=mx.float16,
+                      k_codec=AffineQuant(bits=8, group_size=32), v_codec=rotated(4, 64))
+    assert "k=8-bit/g32, v=4-bit/g64 rotated" in repr(packed)
 
 
 def test_pool_sizes_from_a_byte_budget():

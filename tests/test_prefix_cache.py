@@ -27,6 +27,7 @@ from pagedkv import (
     preempt,
 )
 from pagedkv.generation import generate
+from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 
 PS = 8
 SYSTEM = prompt_of(43, seed=11)  # 5 full pages + 3 tokens
@@ -269,8 +270,8 @@ def test_registered_pages_are_refused_under_another_root_or_other_tokens(model, 
     pool.allocator.check()
 
 
-@pytest.mark.parametrize("break_it", ["a key forgotten", "a page not cacheable", "a page filed twice",
-                                      "a page given back"])
+@pytest.mark.parametrize("break_it", ["a key forgotten", "a key to no filed page", "a page not cacheable",
+                                      "a page filed twice", "a page given back"])
 def test_check_finds_each_kind_of_broken_map(break_it):
     pool = make_pool("llama", page_size=PS, num_pages=64)
     prefix = PrefixCache(pool)
@@ -279,6 +280,8 @@ def test_check_finds_each_kind_of_broken_map(break_it):
     prefix.check()
     if break_it == "a key forgotten":
         del prefix._by_key[prefix._key_of_page[pages[1]]]
+    elif break_it == "a key to no filed page":
+        prefix._by_key[(prefix.keys([]).root, b"x" * 8 * PS)] = pages[0]
     elif break_it == "a page not cacheable":
         pool.allocator.set_cacheable(pages[:1], False)
     elif break_it == "a page filed twice":
@@ -461,6 +464,7 @@ def test_a_refused_one_page_register_pages_files_nothing():
     for pages, k, first, error in (
         (freed, keys, 0, ValueError),  # a page nobody holds (RefCountError)
         ([10**6], keys, 0, ValueError),  # out of the pool
+        ([held[0], 16], keys, 0, ValueError),  # one past the last page
         ([-1], keys, 0, ValueError),
         ([1.0], keys, 0, TypeError),
         (held, keys, 1, ValueError),  # past the pages whose nodes keys knows
@@ -624,11 +628,24 @@ def test_a_sliding_window_hit_ends_where_every_window_page_it_needs_is_cached():
     with make_paged_cache(all_sliding, pool) as c:
         with pytest.raises(NotSupportedError):
             prefix.register(c, tokens)
+        with pytest.raises(NotSupportedError):
+            prefix.register_row(c.rows, 0, tokens)
     with pytest.raises(NotSupportedError):
         prefix.new_cache(all_sliding, tokens)
     other = PrefixCache(make_pool("gemma3_text", page_size=4, num_pages=16))  # made without windows
     with pytest.raises(NotSupportedError, match="windows"):
         other.new_cache(model, tokens)
+    with make_paged_cache(model, other.pool) as c:  # its row set's windows are not the cache's
+        model(mx.array([tokens[:9]]), cache=c)
+        with pytest.raises(NotSupportedError, match="windows"):
+            other.register_row(c.rows, 0, tokens[:9])
+        assert other.match(tokens[:9]) == []
+    # a full-attention table first, then a sliding one the cache was not made for
+    layout = LayerLayout((TableSpec(other.pool, None), TableSpec(other.pool, 8)), ((0, 0), (1, 1)))
+    rows = RowSet(layout, [[PageTable(other.pool), PageTable(other.pool, window=8)]])
+    with pytest.raises(NotSupportedError, match="windows"):
+        other.register_row(rows, 0, tokens[:9])
+    rows.release()
     assert other.pool.allocator.num_in_use() == 0
     with pytest.raises(NotSupportedError):
         PrefixCache(pool, windows=(12,), state_pool=StatePool.for_model(make_model("qwen3_next"), num_slots=2))
