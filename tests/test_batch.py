@@ -331,3 +331,35 @@ def test_one_rows_pages_of_consecutive_ids_are_read_as_one_run(pages, run):
     table.release()
     pool.allocator.decref([p for p in held if p not in pages])
     assert pool.allocator.num_in_use() == 0
+
+
+def test_a_middle_row_extracted_and_the_rows_left_each_continue_as_alone():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=96)
+    _, _, batch = paged_run(model, pool)
+    lengths = batch.lengths
+    middle = batch.extract(1)
+    assert middle.num_tokens == lengths[1] and batch.lengths == [lengths[0], lengths[2]]
+    assert [c.offset for c in middle] == [lengths[1]] * len(middle)
+    assert batch.caches[0].offset.tolist() == [lengths[0], lengths[2]]
+    logits = model(mx.array([[3], [4]]), cache=batch.caches)[:, -1]
+    alone = model(mx.array([[5]]), cache=middle)[:, -1]
+    mx.eval(logits, alone)
+    assert batch.lengths == [lengths[0] + 1, lengths[2] + 1] and middle.num_tokens == lengths[1] + 1
+    middle.release()
+    batch.release()
+    pool.allocator.check()
+    assert pool.allocator.num_in_use() == 0
+
+
+def test_trimming_every_layer_of_a_batch_gives_back_each_rows_own_tail_pages():
+    model = make_model("llama")
+    pool = make_pool("llama", page_size=4, num_pages=96)
+    _, _, batch = paged_run(model, pool)
+    for c in batch.caches:
+        assert c.trim(6) == 6
+    ps = pool.page_size
+    assert [t.num_pages for t in batch.tables()] == [-(-n // ps) for n in batch.lengths]
+    assert pool.allocator.num_in_use() == sum(-(-n // ps) for n in batch.lengths)
+    batch.release()
+    assert pool.allocator.num_in_use() == 0

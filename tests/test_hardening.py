@@ -30,10 +30,13 @@ from pagedkv import (
     PrefixCache,
     QuantKv,
     ReleasedError,
+    StatePool,
     TrimError,
+    kv_pages_for,
     make_paged_cache,
     pages_for,
 )
+from pagedkv.row_set import LayerLayout, TableSpec
 
 
 def P(**k):
@@ -372,6 +375,15 @@ BAD_CALLS = {
     "sharers of donor -1": (InvalidValueError, lambda p: KvSharingPlan(["S", "F", "S"], 1).sharers_of(-1)),
     "a sharing plan of no donor": (InvalidValueError, lambda p: KvSharingPlan(["S", "F"], 2)),
     "fetch_shared of an unknown kind": (InvalidValueError, lambda p: make_paged_cache(M(), p)[0].fetch_shared("x")),
+    "a cache of no pool": (InvalidTypeError, lambda p: make_paged_cache(M(), "pool")),
+    "a cache of a sliding pool that is none": (InvalidTypeError, lambda p: make_paged_cache(M(), p, sliding_pool=3)),
+    "quant kv of float packed keys": (KvShapeError, lambda p: QuantKv(
+        (mx.zeros((1, 1, 3, 2)),) + _quant_triple()[1:], _quant_triple(), bits=4, group_size=32, offset=0)),
+    "quant kv of 3-d packed keys": (KvShapeError, lambda p: QuantKv(
+        tuple(x[0] for x in _quant_triple()), _quant_triple(), bits=4, group_size=32, offset=0)),
+    "kv_pages_for 0 pool layers": (InvalidValueError, lambda p: kv_pages_for(M(2), 8, 4, 0)),
+    "a layout's recurrent slot past its slots": (InvalidValueError, lambda p: LayerLayout(
+        (TableSpec(p, None),), ((0, 0),), state_slots=(2,), state_pool=StatePool([[((4,), mx.float32)]], num_slots=2))),
 }
 
 
@@ -596,3 +608,32 @@ def test_generate_and_prefill_refuse_bad_arguments_before_writing_anything(call)
         with pytest.raises(InvalidTypeError if "2.0" in call else InvalidValueError):
             calls[call](cache)
         assert cache.num_tokens == 0 and pool.allocator.num_in_use() == 0
+
+
+def test_kv_pages_for_a_pool_of_fewer_layers_counts_each_group_of_the_models_layers():
+    assert kv_pages_for(M(2), 8, 4) == kv_pages_for(M(2), 8, 4, 2) == 1 + 2  # the null page, 2 pages of 4
+    assert kv_pages_for(M(2), 8, 4, 1) == 1 + 2 * 2  # both layers in the pool's one layer: two tables
+
+
+def test_an_empty_cache_says_so_until_its_first_write_and_again_after_a_trim_to_zero():
+    c = make_paged_cache(M(2), P(num_layers=2))
+    assert all(layer.empty() for layer in c)
+    c[0].update_and_fetch(*t(1, 3))
+    assert not c[0].empty() and c[1].empty()
+    c[0].trim(3)
+    assert c[0].empty()
+    c.release()
+
+
+def test_every_layer_of_a_kind_owns_the_mask_its_kinds_faces_made_for_the_next_step():
+    """A layer may let the kernels apply the rows' ranges only for a mask that says no
+    more: the one ``make_mask`` of any layer of its kind made for this step."""
+    p = P(num_layers=2)
+    c = make_paged_cache(M(2), p)
+    c[0].update_and_fetch(*t(1, 3))
+    c[1].update_and_fetch(*t(1, 3))
+    mask = c[1].make_mask(2, return_array=True)
+    assert c.rows.owns_mask(1, mask) and c.rows.owns_mask(0, mask)
+    assert not c.rows.owns_mask(1, mx.array(mask))  # an equal mask the caller made: not vouched for
+    assert c.rows.owns_mask(1, None) and c.rows.owns_mask(1, "causal")
+    c.release()

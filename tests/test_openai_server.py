@@ -136,6 +136,7 @@ def test_chat_streamed_and_not_equal_the_request_decoded_alone(client, lm, serve
     assert r.usage.prompt_tokens == len(lm.chat_tokens(messages))
     chunks = list(chat(client, "Name a bird.", stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].index == 0 for c in chunks if c.choices)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == want
     assert chunks[-1].usage.completion_tokens == n
@@ -264,6 +265,8 @@ def test_a_request_that_can_never_fit_gets_a_400_before_any_prefill(client, serv
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "9"}).encode(), 400, "max_tokens"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}).encode(), 400, "n"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "logprobs": True}).encode(), 400, "logprobs"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}).encode(), 400, "frequency_penalty"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}).encode(), 400, "presence_penalty"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stop": [""]}).encode(), 400, "stop"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": "yes"}).encode(), 400, "stream"),
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "seed": "7"}).encode(), 400, "seed"),
