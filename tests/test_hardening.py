@@ -637,3 +637,33 @@ def test_every_layer_of_a_kind_owns_the_mask_its_kinds_faces_made_for_the_next_s
     assert not c.rows.owns_mask(1, mx.array(mask))  # an equal mask the caller made: not vouched for
     assert c.rows.owns_mask(1, None) and c.rows.owns_mask(1, "causal")
     c.release()
+
+
+def test_values_of_another_dtype_are_refused_after_a_write_of_the_same_shapes():
+    """The pool remembers shapes that passed its check; a later write of those shapes
+    with values of another dtype must still be refused, and change nothing."""
+    p = P()
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 2))
+    c[0].update_and_fetch(*t(2, 2))  # (the shapes are remembered now)
+    before = state_of(p, c)
+    keys = mx.full((1, 1, 2, 4), 3.0)
+    for bad in ((keys, keys.astype(mx.float16)), (keys.astype(mx.float16), keys)):
+        with pytest.raises(KvDTypeError):
+            c[0].update_and_fetch(*bad)
+        assert state_of(p, c) == before
+    c.release()
+
+
+def test_a_sliding_layers_mask_without_a_window_size_is_the_mask_for_its_own_window():
+    """mlx-lm's models that do not pass ``window_size`` get the layer's window."""
+    c = make_paged_cache(SlidingThenFull(), P(num_layers=2))
+    for n in (3, 1, 1, 4, 2):
+        for layer in c:
+            for queries in (1, 3):
+                got, want = layer.make_mask(queries), layer.make_mask(queries, window_size=layer.window)
+                assert (got is None and want is None) or (isinstance(got, str) and got == want) \
+                    or mx.array_equal(got, want).item(), (layer.offset, queries)
+        for layer in c:
+            layer.update_and_fetch(*t(n, n))
+    c.release()
