@@ -5,6 +5,7 @@ were, or the corrected behaviour."""
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 from snapshots import state_of
@@ -666,4 +667,8 @@ def test_a_sliding_layers_mask_without_a_window_size_is_the_mask_for_its_own_win
                     or mx.array_equal(got, want).item(), (layer.offset, queries)
         for layer in c:
             layer.update_and_fetch(*t(n, n))
+    sliding = c[0]
+    assert sliding.offset >= sliding.window == 8
+    narrower = sliding.make_mask(1, window_size=7)  # one key fewer than the layer holds for its query
+    assert narrower is not None and np.array(narrower).reshape(-1).tolist() == [False] + [True] * 7
     c.release()

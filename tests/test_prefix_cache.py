@@ -689,3 +689,28 @@ def test_a_pool_with_a_layer_per_layer_of_the_smallest_kind_serves_hits_as_mlx_l
         assert used * 2 < wide.allocator.num_in_use() * wide.bytes_per_page
     assert pool.allocator.num_in_use() == 0
     pool.allocator.check()
+
+
+def test_a_sliding_table_registered_after_its_window_moved_on_files_its_last_windows_pages():
+    """A finished request is registered once at its end (the serving engine's retire),
+    when its sliding tables have dropped their first pages: the pages they still hold
+    are filed, so a next turn hits up to the end and decodes as without the cache."""
+    model = make_model("gemma3_text")
+    pool = make_pool("gemma3_text", page_size=4, num_pages=64)
+    prefix = PrefixCache(pool, windows=(12,))
+    tokens = prompt_of(29, seed=7)
+    cache, rest = prefix.new_cache(model, tokens)
+    out = run(model, cache, rest, n=12)  # the prompt in one forward, then 11 steps past the window
+    sliding = next(t for t in cache.tables if t.window is not None)
+    assert sliding.first_visible() > 0
+    seen = tokens + out[:-1]  # (the last token is not written)
+    assert prefix.register(cache, seen) > 0
+    cache.release()
+    turn = seen + [5, 6]
+    assert len(prefix.match(turn)) == len(seen) // 4  # every full page, the window's last pages included
+    cache, rest = prefix.new_cache(model, turn)
+    got = run(model, cache, rest, n=4)
+    cache.release()
+    with make_paged_cache(model, pool) as plain:
+        assert got == run(model, plain, turn, n=4)
+    pool.allocator.check()
