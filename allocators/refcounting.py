@@ -219,7 +219,7 @@ class RefCountingAllocator:
             return arr.astype(np.int64), self._refcount[:0].copy()
         if arr.dtype.kind not in "iu":
             raise InvalidArgumentType(f"page ids must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
+        given, arr = arr, arr.astype(np.int64, copy=False)  # (uint64 ids past 2**63 wrap: name them as given)
         if arr.size < 1024:  # no id is negative (the scan costs ~1 ns an id: the reduction wins past ~2k)
             in_range = arr.tobytes()[_SIGN_BYTE::8].count(0) == arr.size
         else:  # negatives wrap to huge values as uint64
@@ -229,7 +229,7 @@ class RefCountingAllocator:
                 return arr, self._refcount[arr]
             except IndexError:
                 pass
-        bad = int(arr[(arr < 0) | (arr >= self._n)][0])
+        bad = int(given[(arr < 0) | (arr >= self._n)][0])
         raise InvalidPage(f"page id {bad} out of range [0, {self._n})")
 
     def checked_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -278,7 +278,7 @@ class RefCountingAllocator:
         held = np.count_nonzero(counts)
         if held == counts.size:
             return None
-        idle = a if held == 0 else a[counts == 0]
+        idle = a if held == 1 else a[counts == 0]
         st = self._state[idle].tobytes()
         if st.count(_CACHED) != len(st):
             self._require_state(a, (_IN_USE, _CACHED), call)

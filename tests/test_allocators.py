@@ -120,10 +120,32 @@ def test_out_of_range_ids_raise_invalid_page(make, bad):
     a = make(4)
     a.allocate(4)
     before = snapshot(a)
+    wrong = next(int(i) for i in np.asarray(bad).reshape(-1) if not 0 <= int(i) < 4)
     for call in (a.incref, a.decref, a.fork, a.touch):
-        with pytest.raises(InvalidPage):
+        with pytest.raises(InvalidPage, match=f"page id {wrong} out of range"):  # (the bad id, not page 0)
             call(bad)
     assert snapshot(a) == before
+
+
+@pytest.mark.parametrize("null_page, num_pages", [(False, 1), (True, 2)])
+def test_the_smallest_allocator_has_one_usable_page(make, null_page, num_pages):
+    a = make(num_pages, null_page=null_page)
+    page = a.allocate_page()
+    assert a.num_available() == 0 and page != a.null_page
+    with pytest.raises(PoolExhausted):
+        a.allocate(1)
+    a.decref_page(page)
+    a.check()
+
+
+def test_a_long_release_caches_only_its_cacheable_pages(make):
+    a = make(100)
+    ids = a.allocate(40)  # (past the short-list loop: the array path)
+    a.set_cacheable(ids[::2])
+    a.decref(ids)
+    assert sorted(a.cached_pages()) == sorted(ids[::2].tolist())
+    assert a.num_free() == 60 + 20 and a.num_cached() == 20
+    a.check()
 
 
 @pytest.mark.parametrize("bad", [[1.0], [True], ["1"], np.zeros((1, 1), np.int64), 3, None, {1}])
@@ -282,7 +304,11 @@ def test_sorted_allocate_contiguous_finds_a_run_or_fails_atomically():
     assert e.value.available == 2
     assert snapshot(a) == before
     assert a.allocate_contiguous(2).tolist() == [3, 4]
+    assert a.allocate_contiguous(1).tolist() == [1]
     a.check()
+    fresh = SortedAllocator(5)
+    assert fresh.allocate_contiguous(5).tolist() == [0, 1, 2, 3, 4]  # a run of every page
+    fresh.check()
 
 
 def test_check_detects_a_corrupted_state(make):
