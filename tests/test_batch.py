@@ -127,16 +127,21 @@ def test_rows_leave_and_are_extracted_without_touching_other_rows(pages):
     pool = make_pool("llama", page_size=8, num_pages=128, pages=pages)
     _, _, batch = paged_run(model, pool)
     pages_before = [t.pages.tolist() for t in batch.tables()]
-    row2 = batch.extract(2)
+    lengths = batch.lengths
+    row1 = batch.extract(1)  # the middle row
+    assert row1.num_tokens == lengths[1] and [c.offset for c in row1] == [lengths[1]] * len(row1)
+    assert batch.lengths == [lengths[0], lengths[2]] and batch.caches[0].offset.tolist() == batch.lengths
     batch.filter([1])  # row 0 leaves
-    assert [t.pages.tolist() for t in batch.tables()] == [pages_before[1]]
-    assert row2.tables[0].pages.tolist() == pages_before[2]
+    assert [t.pages.tolist() for t in batch.tables()] == [pages_before[2]]
+    assert row1.tables[0].pages.tolist() == pages_before[1]
     assert pool.allocator.num_in_use() == len(pages_before[1]) + len(pages_before[2])
     # the extracted row keeps generating on its own, exactly like an unbatched run
-    n = row2.num_tokens
-    more, _ = greedy(model, [5], row2, 4)
-    assert row2.num_tokens == n + 5 and len(more) == 4
-    row2.release()
+    n = row1.num_tokens
+    more, _ = greedy(model, [5], row1, 4)
+    assert row1.num_tokens == n + 5 and len(more) == 4
+    mx.eval(model(mx.array([[3]]), cache=batch.caches))  # and so does the row left in the batch
+    assert batch.lengths == [lengths[2] + 1]
+    row1.release()
     batch.release()
     pool.allocator.check()
     assert pool.allocator.num_in_use() == 0
@@ -330,25 +335,6 @@ def test_one_rows_pages_of_consecutive_ids_are_read_as_one_run(pages, run):
     assert padded.run == -1
     table.release()
     pool.allocator.decref([p for p in held if p not in pages])
-    assert pool.allocator.num_in_use() == 0
-
-
-def test_a_middle_row_extracted_and_the_rows_left_each_continue_as_alone():
-    model = make_model("llama")
-    pool = make_pool("llama", page_size=4, num_pages=96)
-    _, _, batch = paged_run(model, pool)
-    lengths = batch.lengths
-    middle = batch.extract(1)
-    assert middle.num_tokens == lengths[1] and batch.lengths == [lengths[0], lengths[2]]
-    assert [c.offset for c in middle] == [lengths[1]] * len(middle)
-    assert batch.caches[0].offset.tolist() == [lengths[0], lengths[2]]
-    logits = model(mx.array([[3], [4]]), cache=batch.caches)[:, -1]
-    alone = model(mx.array([[5]]), cache=middle)[:, -1]
-    mx.eval(logits, alone)
-    assert batch.lengths == [lengths[0] + 1, lengths[2] + 1] and middle.num_tokens == lengths[1] + 1
-    middle.release()
-    batch.release()
-    pool.allocator.check()
     assert pool.allocator.num_in_use() == 0
 
 

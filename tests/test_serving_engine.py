@@ -658,13 +658,20 @@ def test_the_pool_gauges_read_the_empty_pool_before_the_first_request(model):
     assert sample("pagedkv:kv_cache_usage_perc", {"model_name": "pagedkv"}) == 0
 
 
-def test_a_request_that_fits_only_with_the_compiled_steps_lookahead_pages_is_admitted(model):
+def engine_holding_lookahead_pages(model) -> tuple[Engine, Sink]:
+    """A compiled engine of 24 pages running two rows, its step holding 2 lookahead
+    pages, 18 pages free."""
     engine = make_engine(model, num_pages=24, compiled_decode=True, prefix_caching=False)
     sink = Sink()
     engine.add(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=30), sink))
     engine.add(GenerationRequest("b", [4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=30), sink))
     engine.step()
     assert engine._compiled.lookahead_pages == 2 and engine.pool.allocator.num_available() == 18
+    return engine, sink
+
+
+def test_a_request_that_fits_only_with_the_compiled_steps_lookahead_pages_is_admitted(model):
+    engine, sink = engine_holding_lookahead_pages(model)
     # 60 prompt tokens and 16 of decode: 19 pages, against 18 available less a 1-page watermark
     prompt = [(7 * i) % 100 + 1 for i in range(60)]
     engine.add(GenerationRequest("c", prompt, SamplingParams(max_tokens=16), sink))
@@ -677,12 +684,7 @@ def test_a_request_that_fits_only_with_the_compiled_steps_lookahead_pages_is_adm
 
 
 def test_a_prompt_whose_prefill_needs_the_lookahead_pages_gets_them_before_it_starts(model):
-    engine = make_engine(model, num_pages=24, compiled_decode=True, prefix_caching=False)
-    sink = Sink()
-    engine.add(GenerationRequest("a", [1, 2, 3], SamplingParams(max_tokens=30), sink))
-    engine.add(GenerationRequest("b", [4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=30), sink))
-    engine.step()
-    assert engine._compiled.lookahead_pages == 2 and engine.pool.allocator.num_available() == 18
+    engine, sink = engine_holding_lookahead_pages(model)
     # its prompt alone takes 19 pages: one more than is free while the lookahead is held
     prompt = [(7 * i) % 100 + 1 for i in range(75)]
     engine.add(GenerationRequest("c", prompt, SamplingParams(max_tokens=1), sink))
