@@ -278,7 +278,7 @@ class RefCountingAllocator:
         held = np.count_nonzero(counts)
         if held == counts.size:
             return None
-        idle = a if held == 1 else a[counts == 0]
+        idle = a if held == 0 else a[counts == 0]
         st = self._state[idle].tobytes()
         if st.count(_CACHED) != len(st):
             self._require_state(a, (_IN_USE, _CACHED), call)

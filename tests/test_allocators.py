@@ -233,6 +233,23 @@ def test_uncaching_a_cached_page_frees_it(make):
     a.check()
 
 
+def test_a_release_listing_a_page_twice_caches_in_first_sight_order(make):
+    a = make(8)
+    p, q = a.allocate(2).tolist()
+    a.incref([p])  # p is held twice: it reaches 0 at its second listing, after q
+    a.set_cacheable([p, q])
+    a.decref([p, q, p])
+    assert a.cached_pages() == [p, q]  # least recently used first: the order ids were first listed
+    a.check()
+
+
+def test_a_full_allocator_has_no_free_run(make):
+    a = make(4)
+    a.allocate(4)
+    st = a.stats()
+    assert (st.free_runs, st.largest_free_run) == (0, 0)
+
+
 def test_touch_of_free_page_and_evict_past_cached_raise(make):
     a = make(3)
     before = snapshot(a)
