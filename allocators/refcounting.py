@@ -219,7 +219,7 @@ class RefCountingAllocator:
             return arr.astype(np.int64), self._refcount[:0].copy()
         if arr.dtype.kind not in "iu":
             raise InvalidArgumentType(f"page ids must be integers, got dtype {arr.dtype}")
-        given, arr = arr, arr.astype(np.int64, copy=False)  # (uint64 ids past 2**63 wrap: name them as given)
+        arr = arr.astype(np.int64, copy=False)
         if arr.size < 1024:  # no id is negative (the scan costs ~1 ns an id: the reduction wins past ~2k)
             in_range = arr.tobytes()[_SIGN_BYTE::8].count(0) == arr.size
         else:  # negatives wrap to huge values as uint64
@@ -229,7 +229,7 @@ class RefCountingAllocator:
                 return arr, self._refcount[arr]
             except IndexError:
                 pass
-        bad = int(given[(arr < 0) | (arr >= self._n)][0])
+        bad = int(np.asarray(ids)[(arr < 0) | (arr >= self._n)][0])  # (as given: a uint64 past 2**63 wraps in arr)
         raise InvalidPage(f"page id {bad} out of range [0, {self._n})")
 
     def checked_ids(self, ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -18,10 +18,13 @@ from pagedkv import (
     KvShapeError,
     PagedBatch,
     PagePool,
+    PageTable,
     PoolExhausted,
     ReleasedError,
     make_paged_cache,
+    pages_for,
 )
+from pagedkv.padded_page_table import PaddedPageTable
 
 PROMPTS = [prompt_of(9, seed=1), prompt_of(23, seed=2), prompt_of(40, seed=3)]
 JOIN_AT, STEPS = 5, 16
@@ -319,9 +322,6 @@ def test_rows_reordered_by_filter_each_read_their_own_pages():
 def test_one_rows_pages_of_consecutive_ids_are_read_as_one_run(pages, run):
     """A read reports a run (its first id) only for one row whose pages are consecutive
     ids in order: such a row's keys are one slice of the pool (``PagePool.borrow_run``)."""
-    from pagedkv import PageTable
-    from pagedkv.padded_page_table import PaddedPageTable
-
     pool = make_pool("llama", page_size=4, num_pages=16)
     held = pool.allocator.allocate(8).tolist()
     assert held == list(range(1, 9))
@@ -344,8 +344,7 @@ def test_trimming_every_layer_of_a_batch_gives_back_each_rows_own_tail_pages():
     _, _, batch = paged_run(model, pool)
     for c in batch.caches:
         assert c.trim(6) == 6
-    ps = pool.page_size
-    assert [t.num_pages for t in batch.tables()] == [-(-n // ps) for n in batch.lengths]
-    assert pool.allocator.num_in_use() == sum(-(-n // ps) for n in batch.lengths)
+    pages = [pages_for(n, pool.page_size) for n in batch.lengths]
+    assert [t.num_pages for t in batch.tables()] == pages and pool.allocator.num_in_use() == sum(pages)
     batch.release()
     assert pool.allocator.num_in_use() == 0

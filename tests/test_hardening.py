@@ -377,7 +377,7 @@ BAD_CALLS = {
     "a sharing plan of no donor": (InvalidValueError, lambda p: KvSharingPlan(["S", "F"], 2)),
     "fetch_shared of an unknown kind": (InvalidValueError, lambda p: make_paged_cache(M(), p)[0].fetch_shared("x")),
     "a cache of no pool": (InvalidTypeError, lambda p: make_paged_cache(M(), "pool")),
-    "a cache of a sliding pool that is none": (InvalidTypeError, lambda p: make_paged_cache(M(), p, sliding_pool=3)),
+    "a cache of a sliding pool that is not a pool": (InvalidTypeError, lambda p: make_paged_cache(M(), p, sliding_pool=3)),
     "quant kv of float packed keys": (KvShapeError, lambda p: QuantKv(
         (mx.zeros((1, 1, 3, 2)),) + _quant_triple()[1:], _quant_triple(), bits=4, group_size=32, offset=0)),
     "quant kv of 3-d packed keys": (KvShapeError, lambda p: QuantKv(

@@ -228,12 +228,12 @@ def test_a_malformed_tensor_entry_is_a_corrupt_file_error(entry, why):
 
 
 def test_a_header_longer_than_the_file_is_refused_before_it_is_parsed():
-    data = safetensors_bytes({"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}, b"")
+    header = {"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}
+    data = safetensors_bytes(header, b"")
     parse(data)  # (a valid file: one empty tensor)
     for declared in (len(data) - 7, 1 << 40):  # the header as declared runs past the end
         with pytest.raises(CorruptKvFileError, match="header of"):
-            parse(safetensors_bytes({"t": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}, b"",
-                                    declared=declared))
+            parse(safetensors_bytes(header, b"", declared=declared))
 
 
 def test_empty_tensors_round_trip_beside_others():
