@@ -118,3 +118,12 @@ def check_int(name: str, value: object, *, minimum: int | None = None,
     if maximum is not None and value > maximum:
         raise InvalidValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_index(name: str, value: object, size: int) -> int:
+    """``value`` as an index into ``size`` items, [0, size): a typed error otherwise, as
+    ``check_int`` gives (-1 too: it would name the last item). One comparison for an
+    int in range, which is what the hot paths pass."""
+    if value.__class__ is int and 0 <= value < size:
+        return value
+    return check_int(name, value, minimum=0, maximum=size - 1)

@@ -56,6 +56,7 @@ from pagedkv.errors import (
     InvalidValueError,
     KvDTypeError,
     KvShapeError,
+    check_index,
     check_int,
 )
 from pagedkv.in_place_writes import InPlaceWrites
@@ -424,11 +425,8 @@ class PagePool:
 
     def check_layer(self, layer: object) -> int:
         """``layer`` as an index of one of the pool's layers; ``InvalidTypeError`` or
-        ``InvalidValueError`` otherwise (-1 too: it would name the last layer). One
-        comparison for an int in range, as the hot paths pass."""
-        if layer.__class__ is not int or not 0 <= layer < self.num_layers:
-            layer = check_int("layer", layer, minimum=0, maximum=self.num_layers - 1)
-        return layer
+        ``InvalidValueError`` otherwise (-1 too: it would name the last layer)."""
+        return check_index("layer", layer, self.num_layers)
 
     def layer_arrays(self, layer: int) -> tuple[mx.array, mx.array]:
         """The current K and V arrays of a full-precision layer, for a kernel that reads

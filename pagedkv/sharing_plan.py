@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import attrs
 
-from pagedkv.errors import InvalidValueError, check_int
+from pagedkv.errors import InvalidValueError, check_index
 from pagedkv.model_config import text_config
 
 
@@ -57,13 +57,11 @@ class KvSharingPlan:
         """The layer whose K/V ``layer`` attends over (itself for a donor). A layer that
         is not an int in range raises a typed error."""
         source = self.source
-        if layer.__class__ is not int or not 0 <= layer < len(source):
-            layer = check_int("layer", layer, minimum=0, maximum=len(source) - 1)
-        return source[layer]
+        return source[check_index("layer", layer, len(source))]
 
     def sharers_of(self, donor: int) -> tuple[int, ...]:
         """The sharer layers that read ``donor``'s K/V (none for a sharer)."""
-        check_int("donor", donor, minimum=0, maximum=len(self.source) - 1)
+        check_index("donor", donor, len(self.source))
         return tuple(i for i, s in enumerate(self.source) if s == donor and i != donor)
 
     @classmethod

@@ -36,6 +36,7 @@ from pagedkv.errors import (
     KvDTypeError,
     KvShapeError,
     NotSupportedError,
+    check_index,
     check_int,
 )
 from pagedkv.in_place_writes import InPlaceWrites
@@ -104,9 +105,15 @@ class StatePool:
     def num_layers(self) -> int:
         return len(self.shapes)
 
+    def check_layer(self, layer: object) -> int:
+        """``layer`` as an index of one of the pool's recurrent layers; ``InvalidTypeError``
+        or ``InvalidValueError`` otherwise (-1 too: it would name the last layer). Every
+        method that takes a layer checks it so."""
+        return check_index("layer", layer, len(self.shapes))
+
     def layer_bytes(self, layer: int) -> int:
         """Bytes of one sequence's state in recurrent layer ``layer`` (all its components)."""
-        return sum(int(np.prod(shape)) * dtype.size for shape, dtype in self.shapes[layer])
+        return sum(int(np.prod(shape)) * dtype.size for shape, dtype in self.shapes[self.check_layer(layer)])
 
     @property
     def bytes_per_slot(self) -> int:
@@ -125,6 +132,7 @@ class StatePool:
     def check_state(self, layer: int, component: int, value: object, rows: int) -> None:
         """``KvShapeError``/``KvDTypeError`` unless ``component`` is one of the layer's
         and ``value`` is [rows, *shape] of that component's dtype."""
+        layer = self.check_layer(layer)
         if not isinstance(component, int) or not 0 <= component < len(self.shapes[layer]):
             raise KvShapeError(f"recurrent layer {layer} has {len(self.shapes[layer])} state components, "
                                f"not index {component!r}")
@@ -142,19 +150,20 @@ class StatePool:
         """A new lazy [len(slots), *shape] array: the component in ``slots`` (int32).
         ``track=False`` inside a compiled step (which settles every layer's reads before
         it runs, and whose reads are not arrays yet)."""
-        read = mx.take(self._arrays[layer][component], slots, axis=0)
+        arrays = self._arrays[self.check_layer(layer)]
+        read = mx.take(arrays[check_index("component", component, len(arrays))], slots, axis=0)
         return self._writes.track(layer, read) if track else read
 
     def write(self, layer: int, values: Sequence[mx.array | None], slots: mx.array) -> None:
         """Write ``values[c]`` ([len(slots), *shape], checked by the caller) into
         component c of ``slots`` (distinct, held); None leaves a component as it is."""
-        self._writes.before_write(layer)
+        self._writes.before_write(self.check_layer(layer))
         self.step_write(layer, values, slots)
 
     def step_write(self, layer: int, values: Sequence[mx.array | None], slots: mx.array) -> None:
         """``write`` without settling the layer's reads first: for a compiled step, which
         settles them (``settle_reads``) before it runs."""
-        for arr, value in zip(self._arrays[layer], values):
+        for arr, value in zip(self._arrays[self.check_layer(layer)], values):
             if value is not None:
                 arr[slots] = value
 
@@ -188,7 +197,7 @@ class StatePool:
     def storage(self, layer: int) -> list[mx.array]:
         """The arrays of recurrent layer ``layer`` (evaluating them settles its pending
         writes). Do not keep them: a kept reference makes the next write a copy."""
-        return self._arrays[layer]
+        return self._arrays[self.check_layer(layer)]
 
     def __repr__(self) -> str:
         return (f"StatePool(layers={self.num_layers}, slots={self.num_slots}, "

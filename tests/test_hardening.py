@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, RotatingKVCache
-from snapshots import state_of
+from snapshots import state_of, state_pool_of
 
 from allocators import FreeListAllocator, InvalidArgument, SortedAllocator
 from pagedkv import (
@@ -398,6 +398,31 @@ def test_bad_input_raises_a_typed_error_and_changes_nothing(name):
     with pytest.raises(error):
         call(p)
     assert state_of(p, c) == before
+
+
+STATE_POOL_BAD_CALLS = {
+    "layer bytes of layer -1": (InvalidValueError, lambda s: s.layer_bytes(-1)),
+    "storage of layer -1": (InvalidValueError, lambda s: s.storage(-1)),
+    "storage of a layer past the pool": (InvalidValueError, lambda s: s.storage(2)),
+    "read of layer -1": (InvalidValueError, lambda s: s.read(-1, 0, mx.array([1]))),
+    "read of component -1": (InvalidValueError, lambda s: s.read(1, -1, mx.array([1]))),
+    "read of layer 1.0": (InvalidTypeError, lambda s: s.read(1.0, 0, mx.array([1]))),
+    "check of layer -1": (InvalidValueError, lambda s: s.check_state(-1, 0, mx.zeros((1, 3)), 1)),
+    "write of layer -1": (InvalidValueError, lambda s: s.write(-1, [mx.ones((1, 3))], mx.array([1]))),
+    "step write of layer True": (InvalidTypeError, lambda s: s.step_write(True, [mx.ones((1, 3))], mx.array([1]))),
+}
+
+
+@pytest.mark.parametrize("name", list(STATE_POOL_BAD_CALLS))
+def test_a_state_pool_refuses_a_layer_or_component_out_of_range_and_changes_nothing(name):
+    # -1 would otherwise name the last layer, whose state has the same shape here
+    error, call = STATE_POOL_BAD_CALLS[name]
+    states = StatePool([[((3,), mx.float32)], [((3,), mx.float32)]], num_slots=3)
+    states.write(0, [mx.ones((1, 3))], mx.array([1]))
+    before = state_pool_of(states)
+    with pytest.raises(error):
+        call(states)
+    assert state_pool_of(states) == before
 
 
 def test_every_value_error_is_a_value_error_and_every_type_error_a_type_error():
