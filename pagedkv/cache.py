@@ -236,18 +236,18 @@ class PagedKVCache(LayerFace):
         return k, v
 
     @state.setter
-    def state(self, kv: tuple[mx.array, mx.array]) -> None:
-        """Replace this layer's contents with ``(keys, values)`` [1, kv_heads, L, D].
+    def state(self, kv: tuple[mx.array, mx.array] | tuple[mx.array, mx.array, int]) -> None:
+        """Replace this layer's contents with ``(keys, values)`` [1, kv_heads, L, D], or
+        with mlx-lm's ``KVCache.state``, ``(keys, values, offset)``: buffers whose first
+        ``offset`` tokens are the contents (``paged.state = kv_cache.state`` moves an
+        mlx-lm cache, one from ``load_prompt_cache`` say, into pages).
 
         The other layers of the sequence must be empty or hold exactly L tokens, and the
         sequence's pages must not be shared (a fork or a view would see the overwrite).
         """
         rows = self.rows
         rows.check_alive()
-        if not isinstance(kv, (tuple, list)) or len(kv) != 2:
-            raise InvalidTypeError(f"a state is (keys, values), got {type(kv).__name__}"
-                                   f"{' of %d' % len(kv) if isinstance(kv, (tuple, list)) else ''}")
-        keys, values = kv
+        keys, values = _state_contents(kv)
         rows.check_kv(self.layer, keys, values)
         length = keys.shape[2]
         table = self.table
@@ -272,9 +272,11 @@ class PagedKVCache(LayerFace):
         self.write(keys, values)
 
     @classmethod
-    def from_state(cls, state: tuple[mx.array, mx.array], pool: PagePool | None = None) -> PagedKVCache:
-        """A one-layer cache holding ``state``; makes a private pool unless one is given."""
-        keys, values = state[0], state[1]
+    def from_state(cls, state: tuple[mx.array, mx.array] | tuple[mx.array, mx.array, int],
+                   pool: PagePool | None = None) -> PagedKVCache:
+        """A one-layer cache holding ``state`` (either form the ``state`` setter takes);
+        makes a private pool unless one is given."""
+        keys, values = _state_contents(state)
         if pool is None:
             _, h, length, d = keys.shape
             ps = 16
@@ -380,6 +382,25 @@ def _face_kind(c) -> int | None | str:
         return _RECURRENT
     raise NotSupportedError(f"model asks for a {kind}; pagedkv pages KVCache and RotatingKVCache "
                             "and keeps ArraysCache state in a StatePool")
+
+
+def _state_contents(state: object) -> tuple[mx.array, mx.array]:
+    """The (keys, values) of a state in either form ``PagedKVCache.state`` takes: as
+    given, or the first ``offset`` tokens of mlx-lm ``KVCache.state``'s buffers (which
+    have room for more). A typed error for anything else; the shapes' fit to a pool is
+    checked by the writer."""
+    if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
+        raise InvalidTypeError(f"a state is (keys, values) or mlx-lm's KVCache state (keys, values, offset), "
+                               f"got {type(state).__name__}"
+                               f"{' of %d' % len(state) if isinstance(state, (tuple, list)) else ''}")
+    keys, values = state[0], state[1]
+    if not (isinstance(keys, mx.array) and isinstance(values, mx.array) and keys.ndim == values.ndim == 4):
+        raise KvShapeError("a state's keys and values are [B, kv_heads, L, D] mx.arrays, "
+                           f"got {type(keys).__name__} and {type(values).__name__}")
+    if len(state) == 2:
+        return keys, values
+    offset = check_int("offset", state[2], minimum=1, maximum=min(keys.shape[2], values.shape[2]))
+    return keys[..., :offset, :], values[..., :offset, :]
 
 
 def _layer_windows(model, max_kv_size: int | None) -> list[list[int | None | str]]:

@@ -9,9 +9,10 @@ as it was; ``PoolExhausted`` likewise leaves it unchanged.
 
 Why not mlx-lm's ``save_prompt_cache`` / ``load_prompt_cache``: the loader rebuilds
 each layer by looking its class name up in ``mlx_lm.models.cache``, so it can only
-produce mlx-lm's own caches. Saving a ``PagedKVCache`` with it works (its ``state`` is
-the contiguous K/V) and loads back as a contiguous ``KVCache``, not as pages; use these
-two functions to keep pages, quantised codecs and the checks.
+produce mlx-lm's own caches, and a file of paged caches does not load (``KeyError:
+'PagedKVCache'``). These two functions keep pages, quantised codecs and the checks. A
+file of mlx-lm ``KVCache``s comes into pages layer by layer: ``paged.state =
+kv_cache.state`` (see ``PagedKVCache.state``).
 
 Cost: O(bytes of the sequence's pages) each way, plus one CRC-32 pass.
 """

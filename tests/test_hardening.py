@@ -291,16 +291,41 @@ def test_prefix_register_refuses_a_windowed_table_and_registers_nothing():
     assert prefix.match(list(range(20))) == []
 
 
-def test_prefix_register_with_bad_token_ids_registers_nothing():
+BAD_TOKEN_IDS = {
+    "a str among ints": (InvalidTypeError, [1, 2, 3, 4, 5, 6, 7, "x", 9]),
+    "an int past 64 bits": (InvalidValueError, [1, 2, 3, 4, 5, 6, 7, 2**64, 9]),
+    "a uint64 past int64": (InvalidValueError, np.array([1, 2, 3, 4, 5, 6, 7, 2**63, 9], np.uint64)),
+    "floats": (InvalidTypeError, np.arange(9, dtype=np.float32)),
+    "a 2-d array": (InvalidTypeError, np.arange(9)[None]),
+    "a str": (InvalidTypeError, "123456789"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_TOKEN_IDS))
+def test_prefix_register_with_bad_token_ids_registers_nothing(name):
+    error, tokens = BAD_TOKEN_IDS[name]
     p = P()
     c = make_paged_cache(M(), p)
     c[0].update_and_fetch(*t(1, 9))
     prefix = PrefixCache(p)
     before = state_of(p, c)
-    with pytest.raises(InvalidTypeError):
-        prefix.register(c, [1, 2, 3, 4, 5, 6, 7, "x", 9])
+    with pytest.raises(error):
+        prefix.register(c, tokens)
     assert state_of(p, c) == before
     assert prefix.stats().registered_pages == 0
+
+
+def test_token_ids_as_numpy_or_mlx_arrays_key_the_pages_a_list_keys():
+    p = P()
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 9))
+    prefix = PrefixCache(p)
+    tokens = [5, 1, 4, 1, 5, 9, 2, 6, 5]
+    assert prefix.register(c, np.array(tokens, np.int32)) == 9 // p.page_size
+    pages = c.tables[0].page_ids(0, 9 // p.page_size).tolist()
+    assert prefix.match(tokens) == pages
+    assert prefix.match(mx.array(tokens + [3])) == pages
+    assert prefix.match(np.array(tokens, np.uint16)) == pages
 
 
 # 11 -----------------------------------------------------------------------------------

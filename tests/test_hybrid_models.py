@@ -290,6 +290,30 @@ def test_a_failing_attention_write_rolls_back_the_recurrent_layers_before_it(mod
     no_leaks(pool, states, cached_ok=False)
 
 
+def test_a_recurrent_layers_cache_reports_what_mlx_lms_arrays_cache_holds(model):
+    pool, states = pools(model)
+    prompt = tokens(7, 6)
+    mine = make_paged_cache(model, pool, state_pool=states)
+    recurrent = faces(mine, "PagedStateCache")
+    assert all(f.empty() and f.offset == 0 and f.batch_size == 1 for f in recurrent)
+    with pytest.raises(KvShapeError, match="empty"):
+        _ = recurrent[0].state
+    theirs = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=mine)
+    model(mx.array([prompt]), cache=theirs)
+    want = [c for c in flat_caches(theirs) if type(c).__name__ == "ArraysCache"]
+    assert len(want) == len(recurrent) == states.num_layers
+    for face, ref in zip(recurrent, want):
+        assert not face.empty() and face.offset == len(prompt) and face.batch_size == 1
+        got = face.state
+        assert len(got) == len(ref.cache)
+        for g, w in zip(got, ref.cache):
+            assert g.shape == w.shape and g.dtype == w.dtype
+            np.testing.assert_allclose(np.array(g), np.array(w), rtol=1e-4, atol=1e-5)
+    mine.release()
+    no_leaks(pool, states, cached_ok=False)
+
+
 def test_hybrid_caches_refuse_what_recurrent_state_cannot_do(model, tmp_path):
     pool, states = pools(model)
     with pytest.raises(NotSupportedError, match="state_pool"):

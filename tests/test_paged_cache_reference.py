@@ -3,10 +3,22 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
 from tiny_models import greedy, make_model, make_pool, prompt_of
 
-from pagedkv import PagedPromptCache, PagePool, make_paged_cache
+from pagedkv import (
+    InvalidValueError,
+    NotSupportedError,
+    PagedPromptCache,
+    PagePool,
+    make_paged_cache,
+)
 
 STEPS = 64
 
@@ -100,6 +112,40 @@ def test_forked_sequences_each_match_an_unforked_run(models, kind):
         assert_same(greedy(model, [first], ref_cache, 24), out[name])
     cache_a.release()
     cache_b.release()
+    assert_all_pages_back(pool)
+
+
+def test_every_layers_state_set_from_mlx_lms_saved_caches_decodes_as_mlx_lm_continues(models, tmp_path):
+    """What a user moving an mlx-lm prompt cache (``load_prompt_cache``'s, say) into
+    pages does: ``paged.state = kv_cache.state`` layer by layer, mlx-lm's (keys, values,
+    offset) with buffers longer than the offset. The second layer on writes into the
+    pages the first one's state took."""
+    model = models["llama"]
+    prompt = prompt_of(21)
+    ref_cache = make_prompt_cache(model)
+    model(mx.array(prompt)[None], cache=ref_cache)
+    save_prompt_cache(str(tmp_path / "c.safetensors"), ref_cache)
+    loaded = load_prompt_cache(str(tmp_path / "c.safetensors"))
+    pool = make_pool("llama", page_size=8)
+    cache = make_paged_cache(model, pool)
+    k, v, offset = ref_cache[0].state
+    assert k.shape[2] > offset == 21
+    with pytest.raises(InvalidValueError, match="offset"):
+        cache[0].state = (k, v, k.shape[2] + 1)
+    assert cache[0].offset == 0 and pool.allocator.num_in_use() == 0
+    for c, kv in zip(cache, loaded):
+        c.state = kv.state
+    assert [c.offset for c in cache] == [21] * len(cache) and pool.allocator.num_in_use() == 3
+    fork = cache.fork()
+    before = [c.state for c in cache]
+    with pytest.raises(NotSupportedError, match="shared"):  # the fork would see the overwrite
+        cache[0].state = before[0]
+    fork.release()
+    with pytest.raises(NotSupportedError, match="21 tokens"):  # the other layers hold 21
+        cache[1].state = tuple(x[..., :10, :] for x in before[1])
+    assert all(mx.array_equal(a, b) for c, kv in zip(cache, before) for a, b in zip(c.state, kv))
+    assert_same(greedy(model, [3], ref_cache, 24), greedy(model, [3], cache, 24))
+    cache.release()
     assert_all_pages_back(pool)
 
 

@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
 from tiny_models import PAGE_KINDS, codecs_for
 
 from pagedkv import (
@@ -344,6 +345,10 @@ def test_state_round_trips_and_from_state_builds_a_private_pool():
     assert mx.array_equal(sk, k) and mx.array_equal(sv, v)
     other = PagedKVCache.from_state((k, v))
     assert other.offset == 7 and mx.array_equal(other.state[0], k)
+    mlx_lm_cache = KVCache()  # its state: (keys, values, offset), buffers with room for more
+    mlx_lm_cache.update_and_fetch(k, v)
+    moved = PagedKVCache.from_state(mlx_lm_cache.state)
+    assert moved.offset == 7 and all(mx.array_equal(a, b) for a, b in zip(moved.state, (k, v)))
     assert cache.nbytes == 2 * pool.bytes_per_page_per_layer
 
 

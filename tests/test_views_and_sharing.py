@@ -117,6 +117,32 @@ def test_view_keeps_its_pages_through_trim_release_and_reuse_by_another_sequence
     pool.allocator.check()
 
 
+def test_a_plain_shared_kv_keeps_its_steps_kv_through_trim_release_and_reuse_of_its_pages(page_kind):
+    pool = pool_of(num_pages=9, page_size=4, kind=page_kind)  # 8 usable pages
+    cache, k, v = filled(pool, 16)
+    with KvAttentionView.of_cache(cache) as view:
+        want_k, want_v = view.keys_values()  # (the pages decoded: what the codec kept)
+        mx.eval(want_k, want_v)
+    plain = cache.fetch_shared("plain")  # nothing evaluated yet
+    assert plain.kind == "plain" and plain.offset == 0 and plain.v_rotated == pool.v_codec.rotated
+    q = query()
+    cache.trim(16)
+    cache.table.release()
+    other, _, _ = filled(pool, 32, seed=3)  # every page again, written in place
+    assert pool.allocator.num_available() == 0
+    got_k, got_v = plain.keys_values()
+    assert mx.array_equal(got_k, want_k)
+    if plain.v_rotated:
+        got_v = pool.v_codec.unrotate(got_v)
+    assert mx.allclose(got_v, want_v, atol=1e-5)
+    assert mx.allclose(plain.attend(q, SCALE), reference(q, want_k, want_v), atol=1e-5)
+    plain.release()
+    with pytest.raises(ReleasedError):
+        plain.keys_values()
+    other.table.release()
+    pool.allocator.check()
+
+
 def test_double_release_and_use_after_release_raise(page_kind):
     pool = pool_of(kind=page_kind)
     cache, _, _ = filled(pool, 5)
