@@ -34,6 +34,7 @@ class ForwardPass:
         self._owned: dict[int, SharedKv] = {}
         self._created: list[SharedKv] = []  # debug only; strong, or a dropped leak would vanish
         self._token: contextvars.Token | None = None
+        self._stage = "new"  # -> "active" in the with-block -> "done" after it
 
     @staticmethod
     def current() -> ForwardPass | None:
@@ -47,7 +48,7 @@ class ForwardPass:
 
     def register(self, donor: int, kv: SharedKv) -> SharedKv:
         """Take ownership of ``kv`` as the fetched K/V of ``donor``; returns it."""
-        if self._token is None:
+        if self._stage != "active":  # (after the block, nothing would ever release it)
             raise PagedKvError("register() outside the pass's with-block")
         if donor in self._owned:
             raise PagedKvError(f"donor layer {donor} already registered in this pass")
@@ -67,13 +68,15 @@ class ForwardPass:
         return donor in self._owned
 
     def __enter__(self) -> ForwardPass:
-        if self._token is not None:
+        if self._stage != "new":
             raise PagedKvError("a ForwardPass can be entered once")
         self._token = _ACTIVE.set(self)
+        self._stage = "active"
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         _ACTIVE.reset(self._token)
+        self._stage = "done"
         owned = list(self._owned.values())
         self._owned.clear()
         errors = []

@@ -402,6 +402,24 @@ def test_abort_of_a_running_or_waiting_request_frees_its_pages_by_the_next_step(
     assert len(sink.deltas["wait"]) == 1 and sink.last("wait").usage.completion_tokens == 0
 
 
+def test_close_aborts_running_prefilling_and_waiting_requests_and_returns_every_page(model):
+    engine, sink = make_engine(model, max_batch=2, prefill_budget=8), Sink()
+    engine.add(GenerationRequest("run", list(range(1, 6)), SamplingParams(max_tokens=30), sink))
+    engine.step()
+    engine.add(GenerationRequest("fill", list(range(40)), SamplingParams(max_tokens=30), sink))
+    engine.add(GenerationRequest("wait", list(range(9)), SamplingParams(max_tokens=30), sink))
+    engine.step()
+    assert engine.running and engine.prefilling and engine.waiting
+    engine.close()
+    for rid in ("run", "fill", "wait"):
+        assert sink.last(rid).finish_reason == "abort"
+        assert [d.finish_reason for d in sink.deltas[rid]].count("abort") == 1
+    engine.pool.allocator.check()
+    assert engine.pool.allocator.stats().in_use == 0 and not engine.has_work
+    with pytest.raises(InvalidValueError, match="closed"):
+        engine.add(GenerationRequest("late", [1, 2], SamplingParams(max_tokens=2), sink))
+
+
 def test_a_finished_requests_generated_tokens_serve_the_next_requests_prefix(model):
     # a chat's next turn: the first answer's pages are found, not only the first prompt's
     for overlap in (True, False):

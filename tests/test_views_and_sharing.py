@@ -13,6 +13,7 @@ from pagedkv import (
     KvLeakError,
     KvSharingPlan,
     PagedKVCache,
+    PagedKvError,
     PagePool,
     PageTable,
     PlainKv,
@@ -212,6 +213,46 @@ def test_debug_pass_reports_a_shared_kv_it_did_not_own_and_still_frees_its_pages
         with ForwardPass(debug=True):
             ViewKv(KvAttentionView.of_cache(cache), offset=8)  # never registered
     assert pool.allocator.refcount(int(cache.table.pages[0])) == 1
+
+
+def test_a_forward_pass_refuses_what_it_could_never_release_or_would_release_twice():
+    pool = pool_of()
+    cache, _, _ = filled(pool, 9)
+    page = int(cache.table.pages[0])
+    fp = ForwardPass()
+    kv = ViewKv(KvAttentionView.of_cache(cache), offset=8)
+    with pytest.raises(PagedKvError, match="outside"):
+        fp.register(0, kv)  # before the block
+    with fp:
+        fp.register(0, kv)
+        with pytest.raises(PagedKvError, match="already registered"):
+            fp.register(0, ViewKv(KvAttentionView.of_cache(cache), offset=8))
+        with pytest.raises(PagedKvError, match="has not registered"):
+            fp.get(1)
+        released = ViewKv(KvAttentionView.of_cache(cache), offset=8)
+        released.release()
+        with pytest.raises(PagedKvError, match="released"):
+            fp.register(1, released)
+    assert pool.allocator.refcount(page) == 2  # the one refused while the pass was active: its caller's
+    late = ViewKv(KvAttentionView.of_cache(cache), offset=8)
+    with pytest.raises(PagedKvError, match="outside"):
+        fp.register(1, late)  # after the block, nothing would ever release it
+    with pytest.raises(PagedKvError, match="once"):
+        fp.__enter__()
+    assert ForwardPass.current() is None
+    late.release()
+
+
+def test_a_shared_kv_a_sharer_released_is_an_error_at_the_end_of_the_pass_after_the_rest_is_released():
+    pool = pool_of()
+    cache, _, _ = filled(pool, 9)
+    page = int(cache.table.pages[0])
+    with pytest.raises(ReleasedError):
+        with ForwardPass() as fp:
+            first = fp.register(0, ViewKv(KvAttentionView.of_cache(cache), offset=8))
+            second = fp.register(1, ViewKv(KvAttentionView.of_cache(cache), offset=8))
+            first.release()  # a sharer must never release what it looked up
+    assert second.released and pool.allocator.refcount(page) == 1
 
 
 def test_sharing_plan_maps_each_sharer_to_the_last_donor_of_its_type():
