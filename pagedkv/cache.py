@@ -405,7 +405,11 @@ def _state_contents(state: object) -> tuple[mx.array, mx.array]:
 
 def _layer_windows(model, max_kv_size: int | None) -> list[list[int | None | str]]:
     """Per entry of the model's cache list, the kinds of its caches (``_face_kind``;
-    several for a ``CacheList``)."""
+    several for a ``CacheList``). ``max_kv_size`` (None or an int >= 1, checked either
+    way) applies, as in mlx-lm's ``make_prompt_cache``, only to a model without
+    ``make_cache``."""
+    if max_kv_size is not None:
+        check_int("max_kv_size", max_kv_size, minimum=1)
     if hasattr(model, "make_cache"):
         return [[_face_kind(c) for c in entry_caches(entry)] for entry in model.make_cache()]
     return [[max_kv_size]] * len(model.layers)

@@ -285,11 +285,10 @@ class PageTable:
         full = (dropped + ids.size) * ps
         if num_tokens is None:
             num_tokens = full
-        elif not full - ps < num_tokens <= full:
+        elif not full - ps < check_int("num_tokens", num_tokens) <= full:
             raise InvalidValueError(f"{num_tokens} tokens do not fill {dropped + ids.size} pages of {ps}")
         if dropped:
             check_dropped(num_tokens, self.window, dropped, ps)
-        if dropped:
             self._append(np.full(dropped, self.pool.null_page, dtype=np.int64))
             self._dropped = dropped
         self._append(ids)

@@ -402,6 +402,9 @@ BAD_CALLS = {
     "a sharing plan of no donor": (InvalidValueError, lambda p: KvSharingPlan(["S", "F"], 2)),
     "fetch_shared of an unknown kind": (InvalidValueError, lambda p: make_paged_cache(M(), p)[0].fetch_shared("x")),
     "a cache of no pool": (InvalidTypeError, lambda p: make_paged_cache(M(), "pool")),
+    "a cache of max_kv_size 5.5": (InvalidTypeError, lambda p: make_paged_cache(M(), p, max_kv_size=5.5)),
+    "a cache of max_kv_size 0 for a model that makes its caches": (InvalidValueError, lambda p: make_paged_cache(
+        SimpleNamespace(layers=[0], make_cache=lambda: [KVCache()]), p, max_kv_size=0)),
     "a cache of a sliding pool that is not a pool": (InvalidTypeError, lambda p: make_paged_cache(M(), p, sliding_pool=3)),
     "quant kv of float packed keys": (KvShapeError, lambda p: QuantKv(
         (mx.zeros((1, 1, 3, 2)),) + _quant_triple()[1:], _quant_triple(), bits=4, group_size=32, offset=0)),
@@ -529,6 +532,12 @@ def test_adopt_takes_only_distinct_pages_in_use_and_a_refusal_leaves_the_table_e
         with pytest.raises(error):
             table.adopt(bad)
         assert state_of(p, table) == before and table.num_pages == 0
+    for tokens, error in ((10.5, InvalidTypeError), ("10", InvalidTypeError), (8, InvalidValueError),
+                          (13, InvalidValueError)):  # (10.5 was taken: the table held a float count)
+        table = PageTable(p)
+        with pytest.raises(error):
+            table.adopt(held, num_tokens=tokens)
+        assert table.num_pages == table.num_tokens == 0
     table = PageTable(p)
     table.adopt(held, num_tokens=10)
     assert table.pages.tolist() == held and table.num_tokens == 10
