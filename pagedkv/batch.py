@@ -39,6 +39,7 @@ from pagedkv.errors import (
 from pagedkv.pool import PagePool
 from pagedkv.row_set import LayerLayout, RowSet
 from pagedkv.state_pool import StatePool
+from pagedkv.visibility import check_mask_request
 
 
 class PagedBatch:
@@ -131,6 +132,7 @@ class PagedBatchKVCache(LayerFace):
         self.rows.check_alive()
         if not self.rows.num_rows:
             raise KvShapeError("a mask needs rows, but the batch has none (add rows with extend)")
+        check_mask_request(N, window_size)
         return self.rows.mask(self.layer, N, window_size)
 
     def empty(self) -> bool:

@@ -45,7 +45,7 @@ from pagedkv.row_set import LayerLayout, RowSet, TableSpec
 from pagedkv.shared import SharedKv
 from pagedkv.state_pool import StatePool
 from pagedkv.table import PageTable, peak_pages
-from pagedkv.visibility import attention_mask, window_start
+from pagedkv.visibility import attention_mask, check_mask_request, window_start
 
 
 class LayerFace:
@@ -200,6 +200,7 @@ class PagedKVCache(LayerFace):
     def make_mask(self, N: int, return_array: bool = False, window_size: int | None = None):
         """The mask matching the keys the next ``update_and_fetch(N tokens)`` returns."""
         self.rows.check_alive()
+        check_mask_request(N, window_size)
         offset = self.offset
         if self.window is None:
             mask = attention_mask(N, offset, return_array, window_size)

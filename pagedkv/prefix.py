@@ -219,6 +219,7 @@ class PrefixCache:
         forward: on a hybrid model, no further than the next checkpoint boundary (so a
         registration after each forward leaves a checkpoint every ``checkpoint_every``
         pages: forwards of at most that many pages are the cost); otherwise ``take``."""
+        position, take = check_int("position", position, minimum=0), check_int("take", take, minimum=0)
         if self.state_pool is None:
             return take
         step = self.checkpoint_tokens

@@ -163,8 +163,9 @@ class LayerLayout:
 
     def pages_for(self, tokens: int, chunk: int = 1) -> int:
         """Pages one sequence of ``tokens`` tokens, written at most ``chunk`` per
-        forward, holds at most, over every table spec (``peak_pages``; the specs' peaks
-        added up, so an upper bound). O(specs)."""
+        forward (0: between forwards), holds at most, over every table spec
+        (``peak_pages``; the specs' peaks added up, so an upper bound). O(specs)."""
+        tokens, chunk = check_int("tokens", tokens, minimum=0), check_int("chunk", chunk, minimum=0)
         return sum(peak_pages(tokens, spec.pool.page_size, spec.window, spec.rewind, chunk) for spec in self.specs)
 
     def slot_kinds(self) -> list[tuple[str, int]]:

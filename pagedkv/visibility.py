@@ -23,6 +23,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
+from pagedkv.errors import check_int
+
 
 def window_start(query_pos, window: int | None):
     """First key position a query at ``query_pos`` sees (int or int64 array)."""
@@ -78,6 +80,16 @@ def causal_mask(n_queries: int, offset: int, window: int | None = None) -> mx.ar
     """Bool [n_queries, offset + n_queries] for one row whose keys start at 0."""
     m = range_mask(np.array([0]), np.array([offset + n_queries]), n_queries, 1, exact=True, window=window)
     return m[0, 0]
+
+
+def check_mask_request(n_queries: object, window: object) -> None:
+    """Typed errors unless ``n_queries`` is an int >= 1 and ``window`` None or an int
+    >= 1: what a model's ``cache.make_mask(N, window_size=...)`` must pass (2.5 or -1
+    would build a mask of no meaning). Two comparisons for good input."""
+    if n_queries.__class__ is not int or n_queries < 1:
+        check_int("N", n_queries, minimum=1)
+    if window is not None and (window.__class__ is not int or window < 1):
+        check_int("window_size", window, minimum=1)
 
 
 def attention_mask(n_queries: int, offset: int, return_array: bool, window: int | None):

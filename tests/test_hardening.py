@@ -365,6 +365,12 @@ def _quant_triple(length=3):
     return (mx.zeros((1, 1, length, 2), dtype=mx.uint32), mx.zeros((1, 1, length, 1)), mx.zeros((1, 1, length, 1)))
 
 
+def _batch_of_one(pool: PagePool) -> PagedBatch:
+    batch = PagedBatch(pool, 1)
+    batch.extend(make_paged_cache(M(), pool))
+    return batch
+
+
 BAD_CALLS = {
     "cache layer 1.5": (InvalidTypeError, lambda p: PagedKVCache(PageTable(p), 1.5)),
     "cache layer True": (InvalidTypeError, lambda p: PagedKVCache(PageTable(p), True)),
@@ -402,6 +408,13 @@ BAD_CALLS = {
     "a sharing plan of no donor": (InvalidValueError, lambda p: KvSharingPlan(["S", "F"], 2)),
     "fetch_shared of an unknown kind": (InvalidValueError, lambda p: make_paged_cache(M(), p)[0].fetch_shared("x")),
     "a cache of no pool": (InvalidTypeError, lambda p: make_paged_cache(M(), "pool")),
+    "a mask for 2.5 queries": (InvalidTypeError, lambda p: make_paged_cache(M(), p)[0].make_mask(2.5)),
+    "a mask for -1 queries": (InvalidValueError, lambda p: make_paged_cache(M(), p)[0].make_mask(-1)),
+    "a mask of window True": (InvalidTypeError, lambda p: make_paged_cache(M(), p)[0].make_mask(2, window_size=True)),
+    "a batch's mask of window 0": (InvalidValueError, lambda p: _batch_of_one(p).caches[0].make_mask(1, window_size=0)),
+    "a batch's mask for 1.0 queries": (InvalidTypeError, lambda p: _batch_of_one(p).caches[0].make_mask(1.0)),
+    "an aligned take from -1": (InvalidValueError, lambda p: PrefixCache(p).aligned_take(-1, 4)),
+    "a layout's pages for 2.5 tokens": (InvalidTypeError, lambda p: LayerLayout.uniform(p, [0]).pages_for(2.5)),
     "a cache of max_kv_size 5.5": (InvalidTypeError, lambda p: make_paged_cache(M(), p, max_kv_size=5.5)),
     "a cache of max_kv_size 0 for a model that makes its caches": (InvalidValueError, lambda p: make_paged_cache(
         SimpleNamespace(layers=[0], make_cache=lambda: [KVCache()]), p, max_kv_size=0)),
