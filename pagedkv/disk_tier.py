@@ -45,6 +45,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -165,7 +166,9 @@ class DiskTier:
         for p in self.directory.glob("*" + SUFFIX):
             try:
                 st = p.stat()
-            except FileNotFoundError:
+            except OSError:
+                continue
+            if not stat.S_ISREG(st.st_mode):  # (a directory of that name is no page)
                 continue
             found.append((st.st_mtime_ns, p.name[: -len(SUFFIX)], st.st_size))
         for _, name, size in sorted(found):
@@ -240,7 +243,7 @@ class DiskTier:
             path = self._path(key)
             try:
                 data, meta = read_pages_file(path, self.spec)
-            except (KvFileError, FileNotFoundError) as e:
+            except (KvFileError, OSError) as e:  # (a failing disk too: a miss)
                 self._drop_bad(key, e)
                 return None
             self.stats.bytes_read += sum(a.nbytes for a in data.values())
@@ -261,7 +264,17 @@ class DiskTier:
             size = self._files.pop(key, None)
             if size is not None:
                 self.stats.bytes_on_disk -= size
-        self._path(key).unlink(missing_ok=True)
+        self._remove(key)
+
+    def _remove(self, key: str) -> None:
+        """Delete ``key``'s file, which the tier has already forgotten. A file that cannot
+        be deleted (a failing disk, a directory in its place) is logged and left: the
+        tier never reads it again in this process, and neither a lookup nor the writer
+        thread may fail on it."""
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("disk tier: cannot delete %s: %s", key, e)
 
     def _path(self, key: str) -> Path:
         return self.directory / (key + SUFFIX)
@@ -315,7 +328,7 @@ class DiskTier:
     def _trim_locked(self) -> None:
         while self.stats.bytes_on_disk > self.max_bytes and self._files:
             key, size = self._files.popitem(last=False)
-            self._path(key).unlink(missing_ok=True)
+            self._remove(key)
             self.stats.bytes_on_disk -= size
             self.stats.deleted += 1
         self.stats.files = len(self._files)

@@ -130,6 +130,59 @@ def test_a_digest_listed_twice_in_one_spill_is_written_once_and_the_writer_lives
     disk.close()
 
 
+PARENT, TOKENS = b"p" * 16, np.arange(4, dtype="<i8").tobytes()
+
+
+def page_path(directory: Path, digest: bytes) -> Path:
+    return directory / (digest.hex() + SUFFIX)
+
+
+def test_a_page_that_cannot_be_written_is_dropped_and_the_writer_writes_the_next(tmp_path):
+    """A failing write (here a directory sits where the file goes, so the rename fails)
+    loses that page only: counted, its temp file removed, never a hit."""
+    disk = DiskTier(tmp_path, make_pool(), max_bytes=1 << 24, model_id="tiny")
+    page_path(tmp_path, b"d" * 16).mkdir()
+    disk.spill([b"d" * 16, b"e" * 16], [PARENT] * 2, [TOKENS] * 2, [1, 2])
+    assert disk.flush(30) and disk.stats.dropped == 1 and disk.stats.written == 1
+    assert disk.load(b"d" * 16, PARENT, TOKENS) is None and disk.load(b"e" * 16, PARENT, TOKENS) is not None
+    assert not list(tmp_path.glob(".*.tmp-*"))
+    disk.spill([b"f" * 16], [PARENT], [TOKENS], [3])
+    assert disk.flush(30) and disk.stats.written == 2
+    disk.close()
+
+
+def directory_in_place_of(path: Path) -> None:
+    """Replace a page file by a directory (not empty): reading and deleting it fail."""
+    path.unlink()
+    path.mkdir()
+    (path / "x").touch()
+
+
+def test_page_files_that_cannot_be_read_or_deleted_are_misses_and_the_writer_lives_on(tmp_path):
+    """Page files replaced by directories after the tier listed them. A lookup is a miss
+    (the delete that follows a bad read raised IsADirectoryError out of it), the byte
+    budget's deletions in the writer thread skip them (the thread died on it), and a
+    restarted tier lists no directory as a page."""
+    disk = DiskTier(tmp_path, make_pool(), max_bytes=1 << 24, model_id="tiny")
+    disk.spill([b"a" * 16, b"b" * 16], [PARENT] * 2, [TOKENS] * 2, [1, 2])
+    assert disk.flush(30) and disk.stats.written == 2
+    size = page_path(tmp_path, b"a" * 16).stat().st_size
+    disk.close()
+    disk = DiskTier(tmp_path, make_pool(), max_bytes=2 * size, model_id="tiny")
+    assert disk.stats.files == 2
+    for digest in (b"a" * 16, b"b" * 16):
+        directory_in_place_of(page_path(tmp_path, digest))
+    assert disk.load(b"b" * 16, PARENT, TOKENS) is None
+    assert disk.stats.bad_files == 1 and not disk.has(b"b" * 16)
+    disk.spill([b"c" * 16, b"d" * 16], [PARENT] * 2, [TOKENS] * 2, [1, 2])  # "a" is over the budget
+    assert disk.flush(30) and disk._writer.is_alive() and disk.stats.written == 2
+    assert disk.stats.files == 2 and disk.stats.bytes_on_disk == 2 * size and not disk.has(b"a" * 16)
+    disk.close()
+    disk = DiskTier(tmp_path, make_pool(), max_bytes=2 * size, model_id="tiny")
+    assert disk.stats.files == 2 and disk.has(b"c" * 16) and not disk.has(b"a" * 16)
+    disk.close()
+
+
 def test_a_file_whose_parent_or_tokens_are_not_the_requests_is_a_miss_and_is_deleted(tmp_path):
     """A file is used only if the parent digest and token ids it records are the
     request's, not just its name (a file renamed, or written by a buggy process)."""
