@@ -124,7 +124,7 @@ def root_digest(extra: bytes) -> bytes:
 class DiskTierStats:
     spilled: int = 0  # pages queued for writing
     written: int = 0  # page files written
-    dropped: int = 0  # pages not spilled: the write queue was full, or a write failed
+    dropped: int = 0  # pages not spilled: the write queue was full, a write failed, or the tier was closed
     restored: int = 0  # pages handed back by ``load`` (to be written into the pool)
     bad_files: int = 0  # files that failed a check (deleted)
     deleted: int = 0  # files deleted to stay under max_bytes
@@ -161,6 +161,7 @@ class DiskTier:
         self._files: OrderedDict[str, int] = OrderedDict()  # digest hex -> size, LRU first
         self._pending: dict[str, tuple[dict, dict]] = {}  # queued, not yet on disk
         self._pending_bytes = 0
+        self._closed = False
         self.stats = DiskTierStats()
         found = []
         for p in self.directory.glob("*" + SUFFIX):
@@ -200,6 +201,9 @@ class DiskTier:
         """Queue ``pages`` (held or just evicted, still unchanged in the pool) for writing
         under ``digests`` (a digest already queued or on disk, or listed before in the
         same call, is skipped). One gather from the pool; no disk I/O here."""
+        if self._closed:  # (an evict listener calls this: it must not raise)
+            self.stats.dropped += len(set(digests))
+            return
         todo, seen = [], set()
         for i, d in enumerate(digests):  # (one digest can come twice: equal content under two nodes)
             if d not in seen and not self.has(d):
@@ -227,7 +231,7 @@ class DiskTier:
     def has(self, digest: bytes) -> bool:
         key = digest.hex()
         with self._lock:
-            return key in self._pending or key in self._files
+            return not self._closed and (key in self._pending or key in self._files)
 
     def load(self, digest: bytes, parent: bytes, tokens: bytes) -> dict[str, np.ndarray] | None:
         """The page named ``digest`` if it is there and checks out (its parent digest
@@ -235,7 +239,7 @@ class DiskTier:
         key = digest.hex()
         with self._lock:
             pending = self._pending.get(key)
-            if pending is None and key not in self._files:
+            if self._closed or (pending is None and key not in self._files):
                 return None
         if pending is not None:
             data, meta = pending
@@ -285,10 +289,16 @@ class DiskTier:
 
     def close(self) -> None:
         """Write what is queued, stop the writer and let the directory go (another tier
-        may open it from then on). Idempotent."""
+        may open it from then on). Idempotent. A closed tier holds nothing: ``has`` is
+        False, ``load`` None, and ``spill`` drops the pages (counted in
+        ``stats.dropped``), so a prefix cache still using it loses only its disk hits
+        (pages queued after close were kept in memory, never written, and ``flush()``
+        waited for them forever)."""
         if self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
+        with self._lock:
+            self._closed = True
         fd, self._lock_fd = self._lock_fd, None
         _unlock_directory(fd)
 

@@ -183,6 +183,26 @@ def test_page_files_that_cannot_be_read_or_deleted_are_misses_and_the_writer_liv
     disk.close()
 
 
+def test_a_closed_tier_holds_nothing_and_drops_what_a_prefix_cache_still_spills(model, tmp_path):
+    """Pages spilled after ``close`` used to stay queued in memory for a writer that had
+    stopped: ``flush()`` (and so ``persist()``) waited for them forever."""
+    pool = make_pool()
+    disk = DiskTier(tmp_path, pool, max_bytes=1 << 30, model_id="tiny")
+    prefix = PrefixCache(pool, disk=disk)
+    run(model, prefix, PROMPT)
+    assert prefix.persist() == 8
+    disk.close()
+    digest = next(iter(disk._files))
+    assert not disk.has(bytes.fromhex(digest)) and disk.load(bytes.fromhex(digest), PARENT, TOKENS) is None
+    evict_everything(model, prefix, pool)  # spills to the closed tier: dropped
+    assert disk.stats.dropped > 0 and disk.flush(5) and prefix.persist() == 0
+    got, cached = run(model, prefix, PROMPT)  # served as if there were no disk tier
+    assert got == solo(model, PROMPT) and cached == 0
+    reopened = DiskTier(tmp_path, pool, max_bytes=1 << 30, model_id="tiny")
+    assert reopened.stats.files == 8  # what was written before close, and nothing after
+    reopened.close()
+
+
 def test_a_file_whose_parent_or_tokens_are_not_the_requests_is_a_miss_and_is_deleted(tmp_path):
     """A file is used only if the parent digest and token ids it records are the
     request's, not just its name (a file renamed, or written by a buggy process)."""
