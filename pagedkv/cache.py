@@ -187,11 +187,16 @@ class PagedKVCache(LayerFace):
 
     @property
     def offset(self) -> int:
+        """Tokens this layer holds: where its next write goes. Setting it lower is
+        ``trim`` (``cache.offset -= n`` as on an mlx-lm ``KVCache``; ``TrimError`` where
+        a window dropped keys the new end needs); only writes move it forward (a larger
+        value would read tokens never written)."""
         return int(self.rows.offsets[self.layer, 0])
 
     @offset.setter
     def offset(self, value: int) -> None:
-        self.rows.offsets[self.layer, 0] = check_int("offset", value, minimum=0)
+        value = check_int("offset", value, minimum=0, maximum=self.offset)
+        self.trim(self.offset - value)
 
     def write(self, keys: mx.array, values: mx.array) -> int:
         """Append [1, kv_heads, T, D] keys/values; returns the pre-write offset."""

@@ -606,6 +606,22 @@ def test_prefix_keys_refuse_a_start_outside_their_tokens():
     assert keys.token_ids(5) == [5, 6, 7, 8] and keys.token_ids(9) == []
 
 
+def test_setting_a_caches_offset_lower_trims_and_higher_is_refused():
+    """The setter used to take any value: ``offset = 100`` on 9 tokens made ``state``
+    read 100, the rest from pages never written."""
+    p = P()
+    c = PagedKVCache(PageTable(p), 0)
+    c.update_and_fetch(*t(1, 9))
+    before = state_of(p, c)
+    for bad, error in ((10, InvalidValueError), (-1, InvalidValueError), (2.0, InvalidTypeError)):
+        with pytest.raises(error):
+            c.offset = bad
+    assert state_of(p, c) == before
+    c.offset -= 6  # as mlx-lm's KVCache: a trim, which gives back the pages past the end
+    assert c.offset == c.table.num_tokens == 3 and c.table.num_pages == pages_for(3, p.page_size)
+    assert mx.array_equal(c.state[0], t(1, 9)[0][..., :3, :])
+
+
 def test_a_state_too_large_for_the_pool_raises_before_the_layer_is_emptied():
     p = P(num_pages=3)
     c = PagedKVCache(PageTable(p), 0)
