@@ -30,6 +30,7 @@ import weakref
 import mlx.core as mx
 import numpy as np
 
+from pagedkv.codec import AffineQuant
 from pagedkv.errors import (
     InvalidTypeError,
     InvalidValueError,
@@ -139,6 +140,22 @@ class LayerFace:
         """This step's K/V as a SharedKv (call after the step's write; caller releases
         it): see ``RowSet.shared``."""
         return self.rows.shared(self.layer, kind)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> LayerFace:
+        """What mlx-lm's ``generate_step(kv_bits=..., kv_group_size=...)`` asks of each
+        cache. pagedkv quantises in the pool (``PagePool(k_codec=AffineQuant(bits,
+        group_size), v_codec=...)``), so this is the cache itself when the layer's K and
+        V pages already are affine ``bits``-bit in groups of ``group_size``, and
+        ``NotSupportedError`` otherwise: without it mlx-lm skipped the cache, and the
+        request for quantised K/V went unheard."""
+        pool = self.pool
+        if all(isinstance(c, AffineQuant) and not c.rotated and (c.bits, c.group_size) == (bits, group_size)
+               for c in (pool.k_codec, pool.v_codec)):
+            return self
+        raise NotSupportedError(
+            f"pagedkv quantises K/V in the pool, not in the cache: for {bits}-bit K/V in groups of {group_size}, "
+            f"make the pool with k_codec=v_codec=AffineQuant({bits}, {group_size}) (this layer's pages are "
+            f"{pool.k_codec!r} / {pool.v_codec!r})")
 
     @property
     def nbytes(self) -> int:

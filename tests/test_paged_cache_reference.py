@@ -163,6 +163,28 @@ def test_generate_step_runs_on_a_paged_cache(models):
     assert_all_pages_back(pool)
 
 
+def test_generate_step_asking_for_quantised_kv_runs_on_pages_of_those_bits_and_is_refused_on_others(models):
+    """mlx-lm's ``kv_bits`` calls ``to_quantized`` on every cache that has it; a cache
+    without one was skipped, so the request went unheard on full-precision pages."""
+    model = models["llama"]
+    prompt = mx.array(prompt_of(24))
+
+    def tokens(pool, **kv) -> list[int]:
+        with make_paged_cache(model, pool) as cache:
+            out = [t for t, _ in generate_step(prompt, model, max_tokens=6, prompt_cache=cache, quantized_kv_start=0,
+                                               **kv)]
+            assert all(type(c).__name__ == "PagedKVCache" for c in cache)  # (mlx-lm puts back what it gets)
+            return out
+
+    affine8 = make_pool("llama", page_size=8, pages="affine8")  # AffineQuant(8, 32) K and V
+    assert tokens(affine8, kv_bits=8, kv_group_size=32) == tokens(affine8)
+    for pool, kv in ((make_pool("llama", page_size=8), dict(kv_bits=8, kv_group_size=32)),
+                     (affine8, dict(kv_bits=4, kv_group_size=32)), (affine8, dict(kv_bits=8, kv_group_size=64))):
+        with pytest.raises(NotSupportedError, match="in the pool"):
+            tokens(pool, **kv)
+        assert_all_pages_back(pool)
+
+
 @pytest.mark.parametrize("draft_seed", [0, 3])  # the model itself (drafts accepted); another (rejected)
 def test_mlx_lms_speculative_decoding_on_paged_caches_gives_its_tokens_on_its_own_caches(models, draft_seed):
     """mlx-lm's ``speculative_generate_step`` writes the drafts and trims the rejected
