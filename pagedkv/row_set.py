@@ -269,6 +269,15 @@ class RowSet:
         return window_start(self.step_starts[layer], self.spec_of(layer).window), self.offsets[layer]
 
     # ------------------------------------------------------------------ lifetime
+    def __deepcopy__(self, memo: dict) -> RowSet:
+        """Refused with a typed error (a deep copy would copy the pool, or share its
+        pages with no reference taken); mlx-lm deep-copies caches it keeps for reuse.
+        ``fork()`` is the copy: the pages shared copy-on-write, each side released on
+        its own. A cache or batch is deep-copied through its row set, so this covers
+        them all."""
+        raise NotSupportedError("a paged cache cannot be deep-copied: fork() it (pages shared copy-on-write) "
+                                "and release() each copy")
+
     def check_alive(self) -> None:
         if self._moved is not None:
             raise ReleasedError(f"this cache's pages were {self._moved}; use the new owner instead")

@@ -2,6 +2,7 @@
 a typed error that leaves the allocator, the pool and every table byte-for-byte as they
 were, or the corrected behaviour."""
 
+import copy
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -604,6 +605,21 @@ def test_prefix_keys_refuse_a_start_outside_their_tokens():
         with pytest.raises(InvalidValueError):
             keys.token_ids(bad)
     assert keys.token_ids(5) == [5, 6, 7, 8] and keys.token_ids(9) == []
+
+
+def test_a_deep_copy_of_a_cache_or_batch_is_refused_with_a_pointer_to_fork():
+    """mlx-lm deep-copies the prompt caches it keeps for reuse; a paged one raised
+    "cannot pickle 'Dtype' object" from inside the pool."""
+    p = P()
+    c = make_paged_cache(M(), p)
+    c[0].update_and_fetch(*t(1, 5))
+    b = PagedBatch(p, 1)
+    b.extend(c.fork())
+    before = state_of(p, c, b)
+    for obj in (c, c[0], list(c), b, b.caches):
+        with pytest.raises(NotSupportedError, match="fork"):
+            copy.deepcopy(obj)
+    assert state_of(p, c, b) == before
 
 
 def test_setting_a_caches_offset_lower_trims_and_higher_is_refused():
