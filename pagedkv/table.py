@@ -34,6 +34,7 @@ rows): one allocation for all of them, undone as a unit.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import attrs
@@ -416,6 +417,19 @@ class PageTable:
         if index.size and (index.min() < self._dropped or index.max() >= self._n):
             raise InvalidValueError(f"pages {index.min()}..{index.max()} are not held by this table")
         return self._pages[index]
+
+    def __del__(self) -> None:
+        # A table dropped while it lists pages keeps them in use for good. Nothing gives
+        # them back here: a finalizer may run on any thread, in the middle of the owner's
+        # own allocator call. Say so, as Python does for a file never closed.
+        held = getattr(self, "_n", 0) - getattr(self, "_dropped", 0)
+        if held > 0 and not getattr(self, "_released", True):
+            try:
+                warnings.warn(f"a PageTable listing {held} pages was dropped without release(): they stay in use "
+                              "(release() the cache or table, or use it in a with block)", ResourceWarning,
+                              stacklevel=2)
+            except Exception:  # noqa: BLE001 - (interpreter shutdown: warnings may be gone)
+                pass
 
     def __repr__(self) -> str:
         state = "released" if self._released else f"tokens={self.num_tokens}, pages={self.num_pages}"

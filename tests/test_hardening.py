@@ -3,6 +3,8 @@ a typed error that leaves the allocator, the pool and every table byte-for-byte 
 were, or the corrected behaviour."""
 
 import copy
+import gc
+import warnings
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -605,6 +607,32 @@ def test_prefix_keys_refuse_a_start_outside_their_tokens():
         with pytest.raises(InvalidValueError):
             keys.token_ids(bad)
     assert keys.token_ids(5) == [5, 6, 7, 8] and keys.token_ids(9) == []
+
+
+def test_a_cache_dropped_without_release_says_its_pages_stay_in_use():
+    """As an unclosed file does (``python -W default`` or ``-X dev`` shows it); nothing
+    is given back, since a finalizer may run on another thread mid-call."""
+    p = P()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        kept = make_paged_cache(M(), p)
+        kept[0].update_and_fetch(*t(1, 9))
+        moved = make_paged_cache(M(), p)
+        moved[0].update_and_fetch(*t(1, 5))
+        batch = PagedBatch(p, 1)
+        batch.extend(moved)  # its table lives on in the batch
+        released = make_paged_cache(M(), p)
+        released[0].update_and_fetch(*t(1, 5))
+        released.release()
+        del moved, released
+        gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+        del kept
+        gc.collect()
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert len(leaks) == 1 and "3 pages" in leaks[0]
+    assert p.allocator.num_in_use() == 3 + 2  # the dropped cache's, and the batch's
+    batch.release()
 
 
 def test_a_deep_copy_of_a_cache_or_batch_is_refused_with_a_pointer_to_fork():
