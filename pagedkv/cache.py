@@ -165,7 +165,7 @@ class LayerFace:
     def is_trimmable(self) -> bool:
         """True when at least one token can be trimmed (always without a window; with
         one, while a query at the shortened end would still find its window held)."""
-        return not self.rows.offsets[self.layer].any() or self.max_trim() > 0
+        return self.max_trim() > 0 or not self.rows.offsets[self.layer].any()
 
     def max_trim(self) -> int:
         """The most tokens ``trim`` accepts now."""
@@ -241,9 +241,11 @@ class PagedKVCache(LayerFace):
         return mask
 
     def size(self) -> int:
+        self.rows.check_alive()
         return self.offset if self.window is None else min(self.offset, self.window)
 
     def empty(self) -> bool:
+        self.rows.check_alive()
         return self.offset == 0
 
     @property

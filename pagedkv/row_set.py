@@ -866,6 +866,7 @@ class RowSet:
     def max_trim(self, layer: int) -> int:
         """The most tokens every row of ``layer`` can go back now (0 on a hybrid): as
         ``trim`` checks, in the tables of every layer that stands where this one does."""
+        self.check_alive()
         if self.states is not None:
             return 0
         here = self.offsets[layer].tolist()

@@ -361,6 +361,9 @@ def test_use_after_release_raises():
         cache.update_and_fetch(*kv(1))
     with pytest.raises(ReleasedError):
         cache.keys_and_values()
+    for query in (cache.size, cache.empty, cache.is_trimmable, cache.max_trim):  # (they answered as if alive)
+        with pytest.raises(ReleasedError):
+            query()
 
 
 ONE_LAYER_LOOPS_COPY_ON_CUDA = pytest.mark.skipif(paged_decode.available(), reason=(
