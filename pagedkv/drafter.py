@@ -50,7 +50,7 @@ class DrafterKv:
     def view(self, layer: int) -> KvAttentionView:
         if self._views is None:
             raise ReleasedError("DrafterKv used after release()")
-        if layer not in self._views:
+        if isinstance(layer, bool) or layer not in self._views:  # (True would find layer 1)
             raise InvalidValueError(f"layer {layer!r} is not one of the drafter's layers {self.layers}")
         return self._views[layer]
 

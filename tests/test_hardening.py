@@ -361,6 +361,9 @@ def test_a_drafter_over_a_windowed_target_sees_every_key_the_target_holds():
         out = drafter.attend(0, q, 0.5, window=4)
         ref = mx.fast.scaled_dot_product_attention(q, k[:, :, 1:], k[:, :, 1:], scale=0.5)
         assert mx.allclose(out, ref)
+        for bad in (1, False):  # (False found layer 0)
+            with pytest.raises(InvalidValueError):
+                drafter.view(bad)
 
 
 # 13 -----------------------------------------------------------------------------------
