@@ -10,6 +10,7 @@ import collections
 import functools
 import random
 import threading
+import time
 
 import attrs
 import mlx.core as mx
@@ -524,6 +525,50 @@ def test_the_engine_thread_survives_a_failing_step_and_keeps_serving(model):
     thread.stop()
     assert thread.errors == 1 and engine.pool.allocator.stats().in_use == 0
     assert any(d.finish_reason == "error" and "already" in d.error for d in sink.deltas["b"])
+
+
+def test_every_request_submitted_to_the_engine_thread_gets_a_final_delta_also_around_a_stop(model):
+    """Submitted after the stop (or behind it in the queue), a request used to wait in a
+    queue no one read: its client waited for good."""
+    thread = EngineThread(lambda: make_engine(model))
+    engine = thread.start(timeout=60)
+    finals: dict[str, list[Delta]] = {}
+    lock = threading.Lock()
+
+    def sink(d: Delta) -> None:
+        if d.finish_reason:
+            with lock:
+                finals.setdefault(d.rid, []).append(d)
+
+    thread.submit(GenerationRequest("long", list(range(1, 9)), SamplingParams(max_tokens=200), sink))
+    stopper = threading.Thread(target=thread.stop)
+    stopper.start()
+    rids = [f"r{i}" for i in range(20)]
+    for rid in rids:  # before, during and after the stop
+        thread.submit(GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=2), sink))
+    stopper.join(60)
+    thread.submit(GenerationRequest("late", [1, 2, 3], SamplingParams(max_tokens=2), sink))
+    deadline = time.monotonic() + 30
+    while len(finals) < len(rids) + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(finals) == sorted(rids + ["long", "late"])
+    assert all(len(f) == 1 for f in finals.values())
+    assert finals["late"][0].finish_reason == "error" and "stopped" in finals["late"][0].error
+    assert engine.pool.allocator.stats().in_use == 0
+
+
+def test_a_sink_that_raises_on_its_refusal_does_not_end_the_engine_thread(model):
+    thread = EngineThread(lambda: make_engine(model))
+    thread.start(timeout=60)
+
+    def broken(d: Delta) -> None:
+        raise RuntimeError("client gone")
+
+    thread.submit(GenerationRequest("x", [], SamplingParams(max_tokens=2), broken))  # refused: an empty prompt
+    done = threading.Event()
+    thread.submit(GenerationRequest("y", [1, 2], SamplingParams(max_tokens=2), lambda d: d.finish_reason and done.set()))
+    assert done.wait(30) and thread.alive
+    thread.stop()
 
 
 # ---------------------------------------------------------------------- TextStream

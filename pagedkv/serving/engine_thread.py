@@ -35,6 +35,7 @@ class EngineThread:
         self.engine: Engine | None = None
         self.build_error: BaseException | None = None
         self._finished = threading.Event()  # its work is over: built nothing, or stopped
+        self._closing = threading.Lock()  # no command is queued once it is over (``_finish``)
         self.errors = 0
 
     def start(self, timeout: float | None = None) -> Engine:
@@ -52,8 +53,13 @@ class EngineThread:
 
     def submit(self, req: GenerationRequest) -> None:
         """Queue ``req``; a request the engine refuses gets a last ``Delta`` with
-        finish reason "error" and the message."""
-        self._commands.put(("add", req))
+        finish reason "error" and the message, as does one submitted once the engine's
+        work is over (stopped, or never built): it used to wait in the queue for good."""
+        with self._closing:
+            if not self._finished.is_set():
+                self._commands.put(("add", req))
+                return
+        _refuse(req, "the engine has stopped")
 
     def abort(self, rid: str) -> None:
         self._commands.put(("abort", rid))
@@ -74,8 +80,20 @@ class EngineThread:
         except BaseException:
             log.exception("the engine thread failed")
         finally:
-            self._finished.set()
+            self._finish()
         threading.Event().wait()
+
+    def _finish(self) -> None:
+        """The work is over: refuse what is still queued, and (``submit``) what comes."""
+        with self._closing:
+            self._finished.set()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd is not _STOP and cmd[0] == "add":
+                _refuse(cmd[1], "the engine has stopped")
 
     def _serve(self) -> None:
         try:
@@ -95,13 +113,13 @@ class EngineThread:
             for cmd in commands:
                 if cmd is _STOP:
                     engine.close()
-                    return
+                    return  # (``_finish`` refuses the commands behind it)
                 kind, arg = cmd
                 if kind == "add":
                     try:
                         engine.add(arg)
                     except Exception as e:
-                        arg.sink(Delta(arg.rid, "", (), "error", None, str(e)))
+                        _refuse(arg, str(e))
                 else:
                     engine.abort(arg)
             if not engine.has_work:
@@ -113,3 +131,11 @@ class EngineThread:
                 message = traceback.format_exc()
                 log.error("engine step failed; ending every request in flight:\n%s", message)
                 engine.fail_all(message.strip().splitlines()[-1])
+
+
+def _refuse(req: GenerationRequest, message: str) -> None:
+    """End ``req`` before it ran: its one ``Delta``, finish reason "error"."""
+    try:
+        req.sink(Delta(req.rid, "", (), "error", None, message))
+    except Exception:  # noqa: BLE001 - a sink that raises ends only its own request
+        log.exception("the sink of request %r raised", req.rid)
