@@ -528,32 +528,45 @@ def test_the_engine_thread_survives_a_failing_step_and_keeps_serving(model):
 
 
 def test_every_request_submitted_to_the_engine_thread_gets_a_final_delta_also_around_a_stop(model):
-    """Submitted after the stop (or behind it in the queue), a request used to wait in a
-    queue no one read: its client waited for good."""
-    thread = EngineThread(lambda: make_engine(model))
+    """Queued behind the stop, or submitted after it, a request used to wait in a queue
+    no one read (or be dropped from the batch of commands the stop was in): its client
+    waited for good. The model holds the engine thread in a step while the stop and the
+    requests are queued, so all of them are read together."""
+    class Held:  # the model, holding its caller while ``gate`` is closed
+        def __init__(self, m):
+            self.m, self.args, self.layers = m, m.args, m.layers
+            self.inside, self.gate = threading.Event(), threading.Event()
+
+        def __call__(self, *a, **k):
+            self.inside.set()
+            self.gate.wait(60)
+            return self.m(*a, **k)
+
+    held = Held(model)
+    thread = EngineThread(lambda: make_engine(held))
     engine = thread.start(timeout=60)
     finals: dict[str, list[Delta]] = {}
-    lock = threading.Lock()
 
     def sink(d: Delta) -> None:
         if d.finish_reason:
-            with lock:
-                finals.setdefault(d.rid, []).append(d)
+            finals.setdefault(d.rid, []).append(d)
 
-    thread.submit(GenerationRequest("long", list(range(1, 9)), SamplingParams(max_tokens=200), sink))
+    thread.submit(GenerationRequest("long", list(range(1, 9)), SamplingParams(max_tokens=60), sink))
+    assert held.inside.wait(30)  # the engine thread is in a step
     stopper = threading.Thread(target=thread.stop)
     stopper.start()
-    rids = [f"r{i}" for i in range(20)]
-    for rid in rids:  # before, during and after the stop
+    while thread._commands.empty():  # (the stop is queued)
+        time.sleep(0.001)
+    rids = [f"r{i}" for i in range(5)]
+    for rid in rids:
         thread.submit(GenerationRequest(rid, [1, 2, 3], SamplingParams(max_tokens=2), sink))
+    held.gate.set()
     stopper.join(60)
     thread.submit(GenerationRequest("late", [1, 2, 3], SamplingParams(max_tokens=2), sink))
-    deadline = time.monotonic() + 30
-    while len(finals) < len(rids) + 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
     assert sorted(finals) == sorted(rids + ["long", "late"])
-    assert all(len(f) == 1 for f in finals.values())
-    assert finals["late"][0].finish_reason == "error" and "stopped" in finals["late"][0].error
+    assert all(len(f) == 1 for f in finals.values()) and finals["long"][0].finish_reason == "abort"
+    assert all(finals[rid][0].finish_reason == "error" and "stopped" in finals[rid][0].error
+               for rid in rids + ["late"])
     assert engine.pool.allocator.stats().in_use == 0
 
 

@@ -110,10 +110,13 @@ class EngineThread:
                     commands.append(self._commands.get_nowait())
                 except queue.Empty:
                     break
-            for cmd in commands:
+            for i, cmd in enumerate(commands):
                 if cmd is _STOP:
                     engine.close()
-                    return  # (``_finish`` refuses the commands behind it)
+                    for later in commands[i + 1:]:  # (``_finish`` refuses those still queued)
+                        if later is not _STOP and later[0] == "add":
+                            _refuse(later[1], "the engine has stopped")
+                    return
                 kind, arg = cmd
                 if kind == "add":
                     try:
