@@ -62,7 +62,9 @@ class EngineThread:
         _refuse(req, "the engine has stopped")
 
     def abort(self, rid: str) -> None:
-        self._commands.put(("abort", rid))
+        with self._closing:
+            if not self._finished.is_set():  # (after it, every request has ended)
+                self._commands.put(("abort", rid))
 
     def stop(self, timeout: float | None = 30) -> None:
         """Abort everything, release every page and end the engine's work."""
