@@ -367,7 +367,11 @@ class CompiledDecode:
 
     def __call__(self, tokens: mx.array) -> mx.array:
         """One decode step: ``tokens`` int [B] or [B, 1]; returns the model's logits
-        [B, 1, vocab] (see the module doc)."""
+        [B, 1, vocab] (see the module doc). The ids are not checked against the
+        vocabulary: they stay on the device (the last step's samples, not yet read), and
+        MLX's embedding lookup does not check them either (an id past the table read
+        outside it: a crash, seen with mlx-lm's own caches too). Ids from a user go
+        through ``generate`` or the ``Engine``, which check them."""
         rows = self.batch.rows
         try:
             rows.check_alive()
