@@ -120,6 +120,17 @@ def check_int(name: str, value: object, *, minimum: int | None = None,
     return value
 
 
+def check_number(name: str, value: object, minimum: float, maximum: float, *, lo_open: bool = False) -> float:
+    """``value`` as a number (an int or float; not a bool), or a typed error:
+    ``InvalidTypeError`` for anything else, ``InvalidValueError`` outside [minimum,
+    maximum] (``lo_open``: (minimum, maximum]), NaN included."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidTypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    if not (minimum < value if lo_open else minimum <= value) or not value <= maximum:
+        raise InvalidValueError(f"{name} must be in {'(' if lo_open else '['}{minimum}, {maximum}], got {value}")
+    return value
+
+
 def check_index(name: str, value: object, size: int) -> int:
     """``value`` as an index into ``size`` items, [0, size): a typed error otherwise, as
     ``check_int`` gives (-1 too: it would name the last item). One comparison for an

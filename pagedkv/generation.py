@@ -10,8 +10,9 @@ decode kernel reads: ``generate``'s ``compiled``).
 from __future__ import annotations
 
 import functools
+import math
 import time
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import attrs
 import mlx.core as mx
@@ -19,7 +20,7 @@ import numpy as np
 
 from pagedkv.cache import PagedKVCache, PagedPromptCache
 from pagedkv.compiled_decode import CompiledDecode
-from pagedkv.errors import InvalidTypeError, InvalidValueError, check_int
+from pagedkv.errors import InvalidTypeError, InvalidValueError, check_int, check_number
 from pagedkv.kernels import paged_decode
 from pagedkv.model_config import check_token_ids, text_config
 
@@ -145,8 +146,11 @@ def generate(
         raise InvalidValueError("prompt must hold at least one token")
     max_tokens = check_int("max_tokens", max_tokens, minimum=0)
     prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1)
+    temperature = check_number("temperature", temperature, 0.0, math.inf)  # (NaN sampled garbage)
+    if isinstance(eos_ids, (str, bytes)) or not isinstance(eos_ids, Iterable):
+        raise InvalidTypeError(f"eos_ids must be token ids, got {type(eos_ids).__name__}")
+    eos = set(_token_ids(model, eos_ids))
     compiled = _compiled_for(model, cache, compiled, max_tokens)
-    eos = set(eos_ids)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
     t = time.perf_counter()

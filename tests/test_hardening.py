@@ -716,12 +716,15 @@ def test_a_full_pool_at_a_new_step_leaves_an_unfinished_earlier_step_alone():
 @pytest.mark.parametrize("call", [
     "prefill chunk 0", "prefill chunk 2.0", "generate max_tokens -1", "generate prefill_chunk 0",
     "generate empty prompt", "generate id past the vocabulary", "generate negative id",
-    "prefill id past the vocabulary", "prefill float id", "prefill bool id"])
+    "prefill id past the vocabulary", "prefill float id", "prefill bool id", "generate temperature nan",
+    "generate temperature -1", "generate temperature '1'", "generate eos 5", "generate eos 'a'", "generate eos -1"])
 def test_generate_and_prefill_refuse_bad_arguments_before_writing_anything(call):
     """A chunk of 0 tokens (which would never advance), a negative token budget, an
     empty prompt or a token id the embedding does not have (MLX reads past the table
     and the model writes what it read: it generated tokens from such prompts) raise a
-    typed error and the cache holds no token and no page."""
+    typed error and the cache holds no token and no page. (A NaN temperature sampled
+    garbage; "1" raised a bare TypeError after the prompt was written; an eos of 5 or
+    "a" was taken apart or raised one.)"""
     from tiny_models import VOCAB, make_model, make_pool
 
     from pagedkv import InvalidTypeError, InvalidValueError, make_paged_cache
@@ -739,9 +742,15 @@ def test_generate_and_prefill_refuse_bad_arguments_before_writing_anything(call)
         "prefill id past the vocabulary": lambda c: prefill(model, c, [1] * 9 + [VOCAB + 5], 4),
         "prefill float id": lambda c: prefill(model, c, [1, 2.0, 3]),
         "prefill bool id": lambda c: prefill(model, c, [True, 2, 3]),
+        "generate temperature nan": lambda c: list(generate(model, c, [1, 2], max_tokens=2, temperature=float("nan"))),
+        "generate temperature -1": lambda c: list(generate(model, c, [1, 2], max_tokens=2, temperature=-1)),
+        "generate temperature '1'": lambda c: list(generate(model, c, [1, 2], max_tokens=2, temperature="1")),
+        "generate eos 5": lambda c: list(generate(model, c, [1, 2], max_tokens=2, eos_ids=5)),
+        "generate eos 'a'": lambda c: list(generate(model, c, [1, 2], max_tokens=2, eos_ids="a")),
+        "generate eos -1": lambda c: list(generate(model, c, [1, 2], max_tokens=2, eos_ids=[-1])),
     }
     with make_paged_cache(model, pool) as cache:
-        with pytest.raises(InvalidTypeError if "2.0" in call else InvalidValueError):
+        with pytest.raises(InvalidTypeError if "2.0" in call or "'" in call or "eos 5" in call else InvalidValueError):
             calls[call](cache)
         assert cache.num_tokens == 0 and pool.allocator.num_in_use() == 0
 

@@ -21,7 +21,7 @@ from typing import Sequence
 import attrs
 import mlx.core as mx
 
-from pagedkv.errors import InvalidTypeError, InvalidValueError
+from pagedkv.errors import InvalidTypeError, InvalidValueError, check_number
 
 MAX_STOP_STRINGS = 4  # as OpenAI's API
 _MASK64 = (1 << 64) - 1
@@ -37,11 +37,7 @@ def _max_tokens(_inst, _attr, value) -> None:
 
 def _number(lo: float, hi: float, *, lo_open: bool = False):
     def check(_inst, attr, value) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidTypeError(f"{attr.name} must be a number, got {value!r}")
-        if not (lo < value if lo_open else lo <= value) or not value <= hi:
-            bound = "(" if lo_open else "["
-            raise InvalidValueError(f"{attr.name} must be in {bound}{lo}, {hi}], got {value}")
+        check_number(attr.name, value, lo, hi, lo_open=lo_open)
 
     return check
 
