@@ -22,7 +22,7 @@ from pagedkv.cache import PagedKVCache, PagedPromptCache
 from pagedkv.compiled_decode import CompiledDecode
 from pagedkv.errors import InvalidTypeError, InvalidValueError, check_int, check_number
 from pagedkv.kernels import paged_decode
-from pagedkv.model_config import check_token_ids, text_config
+from pagedkv.model_config import check_eos_ids, check_token_ids, text_config
 
 COMPILE_FROM_TOKENS = 32
 """``generate``'s default decodes through ``CompiledDecode`` (where it does at all) only
@@ -147,9 +147,7 @@ def generate(
     max_tokens = check_int("max_tokens", max_tokens, minimum=0)
     prefill_chunk = check_int("prefill_chunk", prefill_chunk, minimum=1)
     temperature = check_number("temperature", temperature, 0.0, math.inf)  # (NaN sampled garbage)
-    if isinstance(eos_ids, (str, bytes)) or not isinstance(eos_ids, Iterable):
-        raise InvalidTypeError(f"eos_ids must be token ids, got {type(eos_ids).__name__}")
-    eos = set(_token_ids(model, eos_ids))
+    eos = check_eos_ids("eos_ids", eos_ids)
     compiled = _compiled_for(model, cache, compiled, max_tokens)
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)

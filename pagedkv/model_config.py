@@ -10,11 +10,12 @@ requests or plans layers reads them through this one function, so both kinds wor
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 import numpy as np
 
-from pagedkv.errors import InvalidValueError
+from pagedkv.errors import InvalidTypeError, InvalidValueError
 
 
 def text_config(model: Any) -> dict:
@@ -26,6 +27,19 @@ def text_config(model: Any) -> dict:
     inner = getattr(args, "text_config", None)
     cfg = inner if inner else args
     return dict(cfg) if isinstance(cfg, dict) else dict(vars(cfg))
+
+
+def check_eos_ids(name: str, ids: object) -> frozenset[int]:
+    """End-of-sequence ids ``name``: any iterable of ints >= 0 (``check_token_ids``). A
+    str, bytes or a single int is an ``InvalidTypeError`` (a str was taken apart into
+    characters that never match; an int raised a bare ``TypeError``). An id past the
+    vocabulary is let through: it is never sampled, and some tokenizers list such ids."""
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
+        raise InvalidTypeError(f"{name} must be an iterable of token ids, got {type(ids).__name__}")
+    try:
+        return frozenset(check_token_ids(list(ids), None))
+    except InvalidValueError as e:
+        raise InvalidValueError(f"{name}: {e}") from None
 
 
 def check_token_ids(ids: Sequence[Any], vocab_size: int | None) -> list[int]:

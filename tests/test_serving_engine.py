@@ -375,7 +375,9 @@ def test_a_pool_with_fewer_layers_than_the_model_counts_every_layer_groups_pages
     (dict(prefill_chunk=0), InvalidValueError), (dict(prefill_budget=0), InvalidValueError),
     (dict(max_batch=0), InvalidValueError), (dict(max_batch=2.0), InvalidTypeError),
     (dict(max_model_len=1), InvalidValueError), (dict(watermark=1.0), InvalidValueError),
-    (dict(watermark=True), InvalidValueError), (dict(decode="abc"), InvalidTypeError)])
+    (dict(watermark=True), InvalidValueError), (dict(decode="abc"), InvalidTypeError),
+    (dict(eos_token_ids="ab"), InvalidTypeError), (dict(eos_token_ids=5), InvalidTypeError),  # (taken apart; raised)
+    (dict(eos_token_ids=[1.5]), InvalidValueError), (dict(eos_token_ids=[-1]), InvalidValueError)])
 def test_engine_settings_that_could_never_serve_are_refused_up_front(model, kw, error):
     """Settings under which the engine would admit or prefill nothing, forever (a batch
     of 0, chunks of 0 tokens), or fail later inside a step, raise a typed error when the

@@ -74,7 +74,7 @@ from pagedkv.errors import (
 )
 from pagedkv.generation import prefill
 from pagedkv.kernels import paged_decode
-from pagedkv.model_config import check_token_ids, text_config
+from pagedkv.model_config import check_eos_ids, check_token_ids, text_config
 from pagedkv.pool import PagePool
 from pagedkv.prefix import PrefixCache, prefix_cache_serves
 from pagedkv.prefix_keys import PrefixKeys
@@ -246,6 +246,7 @@ class Engine:
         if "vocab_size" not in config:
             raise InvalidValueError("the model's args (or their text_config) hold no vocab_size")
         vocab = int(config["vocab_size"])
+        eos = check_eos_ids("eos_token_ids", eos_token_ids)
         ctx = max_model_len or int(config.get("max_position_embeddings") or 1 << 30)
         self._layout = layout_for(model, pool, state_pool=state_pool)  # every batch's (frozen)
         if prefix_caching and not prefix_cache_serves(self._layout, hybrid=state_pool is not None):
@@ -259,7 +260,7 @@ class Engine:
         self.prefix = PrefixCache(pool, disk=disk_tier, state_pool=state_pool, checkpoint_every=checkpoint_every,
                                   windows=self._layout.windows) if prefix_caching else None
         self.decode = decode
-        self.eos = frozenset(eos_token_ids)
+        self.eos = eos
         self.limits = EngineLimits(ctx, self._pool_tokens(min(prefill_chunk, prefill_budget)), vocab)
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
