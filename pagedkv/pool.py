@@ -593,6 +593,7 @@ def host_dtype(dtype: mx.Dtype) -> np.dtype:
 
 def raise_cache_limit(nbytes: int) -> int:
     """Raise MLX's buffer-cache limit to at least ``nbytes``; returns the limit in force."""
+    nbytes = check_int("nbytes", nbytes, minimum=0)  # (True set a limit of one byte for a moment)
     previous = mx.set_cache_limit(nbytes)
     if previous > nbytes:
         mx.set_cache_limit(previous)

@@ -39,6 +39,7 @@ from pagedkv import (
     kv_pages_for,
     make_paged_cache,
     pages_for,
+    raise_cache_limit,
 )
 from pagedkv.row_set import LayerLayout, TableSpec
 
@@ -404,6 +405,7 @@ BAD_CALLS = {
         *(mx.zeros((0, 1, 1, 4)),) * 2)),
     "pages_for page size 0": (InvalidValueError, lambda p: pages_for(3, 0)),
     "pages_for a float": (InvalidTypeError, lambda p: pages_for(3.0, 4)),
+    "a cache limit of True bytes": (InvalidTypeError, lambda p: raise_cache_limit(True)),
     "layer arrays of layer -1": (InvalidValueError, lambda p: p.layer_arrays(-1)),
     "storage of a layer past the pool": (InvalidValueError, lambda p: p.storage(p.num_layers)),
     "storage of layer -1": (InvalidValueError, lambda p: p.storage(-1)),
