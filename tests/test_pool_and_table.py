@@ -11,6 +11,7 @@ from pagedkv import (
     AffineQuant,
     InvalidTypeError,
     InvalidValueError,
+    KvAttentionView,
     KvDTypeError,
     KvShapeError,
     NotSupportedError,
@@ -334,6 +335,17 @@ def test_page_lookups_name_only_pages_the_table_still_holds():
         with pytest.raises(ValueError):
             t.page_ids_at(np.array([index]))
     t.release()
+
+
+def test_a_pool_of_head_dim_1_round_trips_and_attends():
+    pool = PagePool(num_layers=1, num_kv_heads=2, head_dim=1, page_size=4, num_pages=8, dtype=mx.float32)
+    cache = PagedKVCache(PageTable(pool), 0)
+    k = mx.arange(14, dtype=mx.float32).reshape(1, 2, 7, 1) / 7
+    keys, values = cache.update_and_fetch(k, -k)
+    assert mx.array_equal(keys, k) and mx.array_equal(values, -k)
+    q = mx.ones((1, 4, 1, 1))
+    with KvAttentionView.of_cache(cache) as view:
+        assert mx.allclose(view.attend(q, 1.0), mx.fast.scaled_dot_product_attention(q, k, -k, scale=1.0))
 
 
 def test_state_round_trips_and_from_state_builds_a_private_pool():
