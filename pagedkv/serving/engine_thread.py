@@ -36,6 +36,7 @@ class EngineThread:
         self.build_error: BaseException | None = None
         self._finished = threading.Event()  # its work is over: built nothing, or stopped
         self._closing = threading.Lock()  # no command is queued once it is over (``_finish``)
+        self._unread: list = []  # commands read in one batch with the stop, after it
         self.errors = 0
 
     def start(self, timeout: float | None = None) -> Engine:
@@ -86,14 +87,17 @@ class EngineThread:
         threading.Event().wait()
 
     def _finish(self) -> None:
-        """The work is over: refuse what is still queued, and (``submit``) what comes."""
+        """The work is over: refuse the requests read behind the stop or still queued,
+        and (``submit``) those that come."""
         with self._closing:
             self._finished.set()
+        unread = self._unread
         while True:
             try:
-                cmd = self._commands.get_nowait()
+                unread.append(self._commands.get_nowait())
             except queue.Empty:
-                return
+                break
+        for cmd in unread:
             if cmd is not _STOP and cmd[0] == "add":
                 _refuse(cmd[1], "the engine has stopped")
 
@@ -115,9 +119,7 @@ class EngineThread:
             for i, cmd in enumerate(commands):
                 if cmd is _STOP:
                     engine.close()
-                    for later in commands[i + 1:]:  # (``_finish`` refuses those still queued)
-                        if later is not _STOP and later[0] == "add":
-                            _refuse(later[1], "the engine has stopped")
+                    self._unread = commands[i + 1:]  # (``_finish`` refuses them)
                     return
                 kind, arg = cmd
                 if kind == "add":
