@@ -30,6 +30,7 @@ from pagedkv import (
     StatePool,
     can_admit,
     donor_caches,
+    layout_for,
     make_paged_cache,
     pools_for_model,
     preempt,
@@ -54,6 +55,11 @@ def pools(model, pages: int = 96, slots: int = 12) -> tuple[PagePool, StatePool]
     pool = PagePool(num_layers=n_attn, num_kv_heads=2, head_dim=16, page_size=PAGE, num_pages=pages,
                     dtype=mx.float32)
     return pool, StatePool.for_model(model, num_slots=slots)
+
+
+def prefix_cache(model, pool: PagePool, states: StatePool, **kw) -> PrefixCache:
+    """A prefix cache for the model's layout (its sliding windows too, if any)."""
+    return PrefixCache(pool, state_pool=states, windows=layout_for(model, pool, state_pool=states).windows, **kw)
 
 
 def faces(cache, kind: str | None = None) -> list:
@@ -164,7 +170,7 @@ def test_a_fork_shares_the_state_and_each_side_continues_exactly(model):
 @pytest.mark.parametrize("every", [1, 2])
 def test_a_prefix_hit_restores_state_and_kv_and_decodes_what_mlx_lm_decodes(model, every):
     pool, states = pools(model)
-    prefix = PrefixCache(pool, state_pool=states, checkpoint_every=every)
+    prefix = prefix_cache(model, pool, states, checkpoint_every=every)
     shared = tokens(21, 19)
     first, second = shared + tokens(1, 6), shared + tokens(2, 9)
     for prompt, hit in ((first, 0), (second, 16)):
@@ -185,7 +191,7 @@ def test_a_prefix_hit_restores_state_and_kv_and_decodes_what_mlx_lm_decodes(mode
 
 def test_a_hit_ends_at_the_last_checkpoint_not_the_last_cached_page(model):
     pool, states = pools(model)
-    prefix = PrefixCache(pool, state_pool=states, checkpoint_every=2)  # boundaries every 8 tokens
+    prefix = prefix_cache(model, pool, states, checkpoint_every=2)  # boundaries every 8 tokens
     prompt = tokens(5, 30)
     with make_paged_cache(model, pool, state_pool=states) as cache:
         model(mx.array([prompt[:8]]), cache=cache)  # a checkpoint at 8
@@ -202,7 +208,7 @@ def test_a_hit_ends_at_the_last_checkpoint_not_the_last_cached_page(model):
 
 def test_evicted_checkpoints_fall_back_to_a_shorter_hit_and_stay_exact(model):
     pool, states = pools(model, slots=3)  # two usable slots: a running row and one checkpoint
-    prefix = PrefixCache(pool, state_pool=states)
+    prefix = prefix_cache(model, pool, states)
     base = tokens(8, 17)
     for seed in range(3):
         prompt = base + tokens(100 + seed, 5)
@@ -439,6 +445,43 @@ def test_random_hybrid_requests_up_to_the_limit_in_tight_pools_all_finish_as_the
         assert steps < 1500, "the engine stalled"
     for rid, (prompt, n) in reqs.items():
         assert out[rid] == list(generate(model, make_prompt_cache(model), prompt, max_tokens=n)), rid
+    engine.close()
+    no_leaks(pool, states)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_hybrid_with_sliding_layers_decodes_what_mlx_lm_decodes_alone_and_batched_with_preemption(compiled):
+    """mlx-lm's gear: short convolutions (recurrent state) beside sliding-window and
+    full-attention layers, in layer groups of a pool of ``kv_pool_layers`` layers. Alone
+    past the window, and in an engine whose pool makes it preempt (no prefix caching:
+    it does not serve sliding hybrids), every request gives mlx-lm's tokens."""
+    from pagedkv.generation import generate
+
+    model = make_model("gear")
+    prompt = prompt_of(23)  # the window is 12
+    want, want_logits = reference(model, prompt, 30)
+    pool, states = pools_for_model(model, max_bytes=1 << 20, page_size=PAGE, state_slots=8)
+    with make_paged_cache(model, pool, state_pool=states) as cache:
+        got, logits = greedy(model, cache, prompt, 30)
+        assert sorted(t.window is not None for t in cache.tables) == [False, True]
+    assert got == want
+    np.testing.assert_allclose(np.array(logits), np.array(want_logits), rtol=1e-4, atol=LOGITS_ATOL)
+    no_leaks(pool, states, cached_ok=False)
+    pool = PagePool(num_layers=pool.num_layers, num_kv_heads=2, head_dim=16, page_size=PAGE, num_pages=40,
+                    dtype=mx.float32)
+    engine = Engine(model, pool, decode=lambda ids: "", state_pool=states, max_batch=3, prefill_chunk=8,
+                    prefix_caching=False, compiled_decode=compiled)
+    reqs = {f"r{i}": (prompt_of(n, seed=i), 24) for i, n in enumerate((5, 17, 30))}
+    out: dict[str, list[int]] = {}
+    for rid, (p, n) in reqs.items():
+        engine.add(GenerationRequest(rid, p, SamplingParams(max_tokens=n),
+                                     lambda d: out.setdefault(d.rid, []).extend(d.token_ids)))
+    while engine.has_work:
+        engine.step()
+    assert engine.metrics.registry.get_sample_value("pagedkv:num_preemptions_total",
+                                                    {"model_name": "pagedkv"}) > 0
+    for rid, (p, n) in reqs.items():
+        assert out[rid] == list(generate(model, make_prompt_cache(model), p, max_tokens=n)), rid
     engine.close()
     no_leaks(pool, states)
 

@@ -88,10 +88,18 @@ CONFIGS = {
         "vocab_size": VOCAB, "max_position_embeddings": 1024,
         "lm_head_multiplier": 1.0, "embedding_multiplier": 1.0,  # (logits of a useful spread)
     },
+    "gear": {  # short convolutions (mlx-lm ArraysCache) beside sliding-window and full attention
+        "model_type": "gear", "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "rms_norm_eps": 1e-6, "sliding_window": 12, "max_position_embeddings": 1024,
+        "layer_types": ["conv_mixer", "sliding_attention", "full_attention"] * 2,
+    },
 }
 
 HYBRIDS = ("qwen3_next", "nemotron_h", "falcon_h1")
-"""mlx-lm hybrid architectures (recurrent + attention layers) the hybrid tests run."""
+"""mlx-lm hybrid architectures (recurrent + attention layers) the hybrid tests run; "gear"
+(recurrent, sliding and full layers) has tests of its own: prefix caching does not serve
+sliding hybrids."""
 
 
 def make_model(kind: str, seed: int = 0):
