@@ -57,6 +57,14 @@ class DonorCache:
         pass (``route_attention`` calls it; it reads the pages through the view)."""
         return self._pass().get(self.donor).attend(queries, scale, mask)
 
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> DonorCache:
+        """The wrapped cache's answer (``LayerFace.to_quantized``: itself, or
+        ``NotSupportedError``), keeping this wrapper where mlx-lm puts the result back
+        (through ``__getattr__`` it put the bare cache there: the layer stopped
+        publishing its K/V to the pass)."""
+        self.cache.to_quantized(group_size=group_size, bits=bits)
+        return self
+
     def __getattr__(self, name):  # size, trim, state, nbytes ... of the wrapped cache
         return getattr(self.cache, name)
 

@@ -12,6 +12,7 @@ from pagedkv import (
     KvAttentionView,
     KvLeakError,
     KvSharingPlan,
+    NotSupportedError,
     PagedKVCache,
     PagedKvError,
     PagePool,
@@ -292,6 +293,22 @@ def test_gemma3n_through_forward_pass_and_views_matches_mlx_lm():
     paged.release()
     pool.allocator.check()
     assert pool.allocator.num_in_use() == 0
+
+
+def test_donor_caches_stay_donor_caches_when_mlx_lm_asks_for_quantised_kv():
+    """mlx-lm's ``kv_bits`` puts back what each cache's ``to_quantized`` returns; a
+    ``DonorCache`` answered through its wrapped cache, which then stood in its place."""
+    from mlx_lm.generate import maybe_quantize_kv_cache
+
+    model = make_model("llama")  # (gemma3n's tiny head_dim of 16 takes no group of 32)
+    pool = make_pool("llama", page_size=4, num_pages=64, pages="affine8")  # AffineQuant(8, 32)
+    with make_paged_cache(model, pool) as paged:
+        caches = donor_caches(paged)
+        before = list(caches)
+        maybe_quantize_kv_cache(caches, quantized_kv_start=0, kv_group_size=32, kv_bits=8)
+        assert all(a is b for a, b in zip(caches, before))
+        with pytest.raises(NotSupportedError, match="in the pool"):
+            maybe_quantize_kv_cache(caches, quantized_kv_start=0, kv_group_size=32, kv_bits=4)
 
 
 def test_drafter_views_survive_target_rollback_and_honour_a_window():
