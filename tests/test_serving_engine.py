@@ -295,13 +295,16 @@ def test_eos_and_stop_strings_finish_with_stop(model):
     (dict(rid="x", prompt=(1, 2)), InvalidValueError),
     (dict(rid="x", prompt=[1] * 100, max_tokens=100), RequestTooLarge),
     (dict(rid="dup", prompt=[1, 2]), InvalidValueError),
+    (dict(rid=["x"], prompt=[1, 2]), InvalidTypeError), (dict(rid=7, prompt=[1, 2]), InvalidTypeError),
+    (dict(rid="x", prompt=[1, 2], sink="not callable"), InvalidTypeError),
 ])
 def test_a_bad_request_is_refused_with_a_typed_error_and_changes_nothing(model, bad, error):
     engine, sink = make_engine(model, num_pages=40), Sink()
     engine.add(GenerationRequest("dup", [1, 2, 3], SamplingParams(max_tokens=2), sink))
     before = (list(engine.waiting), engine.pool.allocator.stats())
     with pytest.raises(error):
-        engine.add(GenerationRequest(bad["rid"], bad["prompt"], SamplingParams(max_tokens=bad.get("max_tokens", 2)), sink))
+        engine.add(GenerationRequest(bad["rid"], bad["prompt"], SamplingParams(max_tokens=bad.get("max_tokens", 2)),
+                                     bad.get("sink", sink)))
     assert (list(engine.waiting), engine.pool.allocator.stats()) == before
     run(engine)
     assert sink.ids("dup") == solo(model, [1, 2, 3], 2)

@@ -291,6 +291,9 @@ class Engine:
             raise InvalidValueError("the engine is closed")
         if not isinstance(req, GenerationRequest):
             raise InvalidTypeError(f"add takes a GenerationRequest, got {type(req).__name__}")
+        if not isinstance(req.rid, str) or not callable(req.sink):  # (a list id raised a bare TypeError)
+            raise InvalidTypeError(f"a request needs a str id and a callable sink, got {type(req.rid).__name__} "
+                                   f"and {type(req.sink).__name__}")
         if req.rid in self._ids:
             raise InvalidValueError(f"request id {req.rid!r} is already in the engine")
         if req.generated or req.finish_reason is not None:
