@@ -54,7 +54,7 @@ def make_engine(model, num_pages=40, page_size=4, **kw) -> Engine:
     L, H, D = kv_dims("llama")
     pool = PagePool(num_layers=L, num_kv_heads=H, head_dim=D, page_size=page_size, num_pages=num_pages,
                     dtype=mx.float32)
-    return Engine(model, pool, decode=letters, **kw)
+    return Engine(model, pool, **{"decode": letters, **kw})
 
 
 class Sink:
@@ -483,6 +483,33 @@ def test_a_sink_that_raises_ends_only_its_own_request(model):
     engine.add(GenerationRequest("ok", [4, 5, 6], SamplingParams(max_tokens=20), sink))
     run(engine)
     assert sink.ids("ok") == solo(model, [4, 5, 6], 20)
+    assert engine.pool.allocator.stats().in_use == 0
+
+
+@pytest.mark.parametrize("failing_call", [1, 5, 9])
+def test_a_decode_that_fails_on_one_requests_ids_ends_only_that_request(model, failing_call):
+    """The caller's ``decode`` raising (a tokenizer's bad byte) used to escape the step
+    half-way through its rows: the rows after it kept the previous step's token, and
+    every request in the batch went on with tokens that were not its own."""
+    calls = 0
+
+    def decode(ids):
+        nonlocal calls
+        calls += 1
+        if calls == failing_call:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return letters(ids)
+
+    engine, sink = make_engine(model, decode=decode), Sink()
+    prompts = {"a": [1, 2, 3], "b": [4, 5, 6, 7], "c": [8, 9]}
+    for rid, prompt in prompts.items():
+        engine.add(GenerationRequest(rid, prompt, SamplingParams(max_tokens=6), sink))
+    run(engine)
+    failed = [rid for rid in prompts if sink.last(rid).finish_reason == "error"]
+    assert len(failed) == 1 and "UnicodeDecodeError" in sink.last(failed[0]).error
+    for rid, prompt in prompts.items():
+        want = solo(model, prompt, 6)
+        assert sink.ids(rid) == (want[: len(sink.ids(rid))] if rid in failed else want), rid
     assert engine.pool.allocator.stats().in_use == 0
 
 

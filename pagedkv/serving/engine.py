@@ -585,16 +585,24 @@ class Engine:
         else:
             self.metrics.next_token(now - req.last_token_at)
         req.last_token_at = now
-        if token in self.eos:
-            self._finish(req, "stop", req.stream.finish(), (token,))
+        try:  # (the caller's decode, on this request's ids)
+            if token in self.eos:
+                reason, text = "stop", req.stream.finish()
+            else:
+                text = req.stream.push(token)
+                reason = "stop" if req.stream.stopped else "length" if len(req.generated) >= req.params.max_tokens \
+                    else None
+                if reason == "length":
+                    text += req.stream.finish()
+        except Exception as e:  # it alone ends: a step's other rows still take their tokens
+            self._end(req, "error")
+            self._deliver(req, Delta(req.rid, "", (token,), "error", self._usage(req),
+                                     f"decoding its tokens failed: {type(e).__name__}: {e}"))
             return
-        text = req.stream.push(token)
-        if req.stream.stopped:
-            self._finish(req, "stop", text, (token,))
-        elif len(req.generated) >= req.params.max_tokens:
-            self._finish(req, "length", text + req.stream.finish(), (token,))
-        else:
+        if reason is None:
             self._deliver(req, Delta(req.rid, text, (token,)))
+        else:
+            self._finish(req, reason, text, (token,))
 
     def _finish(self, req: GenerationRequest, reason: str, text: str, ids: tuple[int, ...] = ()) -> None:
         """End ``req`` and send its last delta."""
