@@ -35,7 +35,8 @@ class EngineThread:
         self.engine: Engine | None = None
         self.build_error: BaseException | None = None
         self._finished = threading.Event()  # its work is over: built nothing, or stopped
-        self._closing = threading.Lock()  # no command is queued once it is over (``_finish``)
+        self._closing = threading.Lock()  # guards ``_closed``: no command is queued once it is set
+        self._closed = False  # the work is over; ``_finished`` follows once every request has ended
         self._unread: list = []  # commands read in one batch with the stop, after it
         self.errors = 0
 
@@ -57,14 +58,14 @@ class EngineThread:
         finish reason "error" and the message, as does one submitted once the engine's
         work is over (stopped, or never built): it used to wait in the queue for good."""
         with self._closing:
-            if not self._finished.is_set():
+            if not self._closed:
                 self._commands.put(("add", req))
                 return
         _refuse(req, "the engine has stopped")
 
     def abort(self, rid: str) -> None:
         with self._closing:
-            if not self._finished.is_set():  # (after it, every request has ended)
+            if not self._closed:  # (after it, every request has ended)
                 self._commands.put(("abort", rid))
 
     def stop(self, timeout: float | None = 30) -> None:
@@ -90,7 +91,7 @@ class EngineThread:
         """The work is over: refuse the requests read behind the stop or still queued,
         and (``submit``) those that come."""
         with self._closing:
-            self._finished.set()
+            self._closed = True
         unread = self._unread
         while True:
             try:
@@ -100,6 +101,7 @@ class EngineThread:
         for cmd in unread:
             if cmd is not _STOP and cmd[0] == "add":
                 _refuse(cmd[1], "the engine has stopped")
+        self._finished.set()  # (``stop`` returns once every request has its last delta)
 
     def _serve(self) -> None:
         try:
