@@ -179,7 +179,8 @@ def test_generate_step_asking_for_quantised_kv_runs_on_pages_of_those_bits_and_i
     affine8 = make_pool("llama", page_size=8, pages="affine8")  # AffineQuant(8, 32) K and V
     assert tokens(affine8, kv_bits=8, kv_group_size=32) == tokens(affine8)
     for pool, kv in ((make_pool("llama", page_size=8), dict(kv_bits=8, kv_group_size=32)),
-                     (affine8, dict(kv_bits=4, kv_group_size=32)), (affine8, dict(kv_bits=8, kv_group_size=64))):
+                     (affine8, dict(kv_bits=4, kv_group_size=32)), (affine8, dict(kv_bits=8, kv_group_size=64)),
+                     (make_pool("llama", page_size=8, pages="rotated4"), dict(kv_bits=4, kv_group_size=32))):
         with pytest.raises(NotSupportedError, match="in the pool"):
             tokens(pool, **kv)
         assert_all_pages_back(pool)
