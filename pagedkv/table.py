@@ -200,7 +200,9 @@ class PageTable:
     def pages_needed(self, count: int, start: int | None = None) -> int:
         """Pages writing ``count`` tokens at ``start`` (default: appending) would
         allocate, copy-on-write included."""
-        need, cow = self._plan(self.num_tokens if start is None else start, count)
+        count = check_int("count", count, minimum=0)
+        start = self.num_tokens if start is None else check_int("start", start, minimum=0)
+        need, cow = self._plan(start, count)
         return need + cow.size
 
     def prepare_write(self, start: int, count: int, undo: list | None = None,
@@ -329,6 +331,8 @@ class PageTable:
     def drops_pages_at(self, first_query: int) -> bool:
         """Whether a write whose first query is at ``first_query`` drops pages behind the
         window (as ``prepare_write`` does). O(1)."""
+        if first_query.__class__ is not int or first_query < 0:
+            check_int("first_query", first_query, minimum=0)
         return self.window is not None and self._droppable(first_query) > self._dropped
 
     def first_visible(self) -> int:
@@ -344,10 +348,14 @@ class PageTable:
 
     def max_rewind(self, length: int) -> int:
         """How many of the first ``length`` tokens can be un-written (trimmed)."""
+        if length.__class__ is not int or length < 0:
+            length = check_int("length", length, minimum=0)
         return max(0, length - self._min_rewind_length())
 
     def check_rewind(self, new_length: int) -> None:
         """Raise ``TrimError`` unless a layer may go back to ``new_length`` tokens."""
+        if new_length.__class__ is not int or new_length < 0:
+            new_length = check_int("new_length", new_length, minimum=0)
         if new_length < self._min_rewind_length():
             raise TrimError(
                 f"cannot go back to {new_length} tokens: a query there sees keys from "

@@ -406,6 +406,11 @@ BAD_CALLS = {
     "pages_for page size 0": (InvalidValueError, lambda p: pages_for(3, 0)),
     "pages_for a float": (InvalidTypeError, lambda p: pages_for(3.0, 4)),
     "a cache limit of True bytes": (InvalidTypeError, lambda p: raise_cache_limit(True)),
+    "pages needed for 2.5 tokens": (InvalidTypeError, lambda p: PageTable(p).pages_needed(2.5)),  # (they answered)
+    "pages needed from 1.5": (InvalidTypeError, lambda p: PageTable(p).pages_needed(2, start=1.5)),
+    "a rewind of 2.5 tokens": (InvalidTypeError, lambda p: PageTable(p, window=4).max_rewind(2.5)),
+    "a rewind check to True": (InvalidTypeError, lambda p: PageTable(p, window=4).check_rewind(True)),
+    "pages dropped at -1": (InvalidValueError, lambda p: PageTable(p, window=4).drops_pages_at(-1)),
     "layer arrays of layer -1": (InvalidValueError, lambda p: p.layer_arrays(-1)),
     "storage of a layer past the pool": (InvalidValueError, lambda p: p.storage(p.num_layers)),
     "storage of layer -1": (InvalidValueError, lambda p: p.storage(-1)),
