@@ -107,7 +107,10 @@ class DiskTierInUseError(KvFileError):
 def check_int(name: str, value: object, *, minimum: int | None = None,
               maximum: int | None = None) -> int:
     """``value`` as an int, or a typed error: ``InvalidTypeError`` unless it is an int
-    (bools are not), ``InvalidValueError`` outside [minimum, maximum]."""
+    (bools are not), ``InvalidValueError`` outside [minimum, maximum]. A plain int in
+    range, what the hot paths pass, costs a class test and two comparisons."""
+    if value.__class__ is int and (minimum is None or minimum <= value) and (maximum is None or value <= maximum):
+        return value
     import numpy as np  # local: keeps this module import-light
 
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
@@ -133,8 +136,5 @@ def check_number(name: str, value: object, minimum: float, maximum: float, *, lo
 
 def check_index(name: str, value: object, size: int) -> int:
     """``value`` as an index into ``size`` items, [0, size): a typed error otherwise, as
-    ``check_int`` gives (-1 too: it would name the last item). One comparison for an
-    int in range, which is what the hot paths pass."""
-    if value.__class__ is int and 0 <= value < size:
-        return value
+    ``check_int`` gives (-1 too: it would name the last item)."""
     return check_int(name, value, minimum=0, maximum=size - 1)

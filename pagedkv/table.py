@@ -331,8 +331,7 @@ class PageTable:
     def drops_pages_at(self, first_query: int) -> bool:
         """Whether a write whose first query is at ``first_query`` drops pages behind the
         window (as ``prepare_write`` does). O(1)."""
-        if first_query.__class__ is not int or first_query < 0:
-            check_int("first_query", first_query, minimum=0)
+        check_int("first_query", first_query, minimum=0)
         return self.window is not None and self._droppable(first_query) > self._dropped
 
     def first_visible(self) -> int:
@@ -348,14 +347,12 @@ class PageTable:
 
     def max_rewind(self, length: int) -> int:
         """How many of the first ``length`` tokens can be un-written (trimmed)."""
-        if length.__class__ is not int or length < 0:
-            length = check_int("length", length, minimum=0)
+        length = check_int("length", length, minimum=0)
         return max(0, length - self._min_rewind_length())
 
     def check_rewind(self, new_length: int) -> None:
         """Raise ``TrimError`` unless a layer may go back to ``new_length`` tokens."""
-        if new_length.__class__ is not int or new_length < 0:
-            new_length = check_int("new_length", new_length, minimum=0)
+        new_length = check_int("new_length", new_length, minimum=0)
         if new_length < self._min_rewind_length():
             raise TrimError(
                 f"cannot go back to {new_length} tokens: a query there sees keys from "
