@@ -28,6 +28,7 @@ from pagedkv.generation import generate
 from pagedkv.page_file import read_pages_file
 
 PROMPT = list(range(1, 30))  # 7 full pages of 4 before the last token
+PARENT, TOKENS = b"p" * 16, np.arange(4, dtype="<i8").tobytes()  # a page spilled by hand: its parent, its ids
 
 
 @pytest.fixture(scope="module")
@@ -120,17 +121,14 @@ def test_a_digest_listed_twice_in_one_spill_is_written_once_and_the_writer_lives
     thread died on it (KeyError), so nothing was written after it."""
     pool = make_pool()
     disk = DiskTier(tmp_path, pool, max_bytes=1 << 24, model_id="tiny")
-    digest, parent, tokens = b"d" * 16, b"p" * 16, np.arange(4, dtype="<i8").tobytes()
-    disk.spill([digest, digest], [parent, parent], [tokens, tokens], [1, 2])
+    digest = b"d" * 16
+    disk.spill([digest, digest], [PARENT, PARENT], [TOKENS, TOKENS], [1, 2])
     assert disk.stats.spilled == 1
     assert disk.flush(30) and disk.stats.written == 1 and disk._writer.is_alive()
-    disk.spill([b"e" * 16], [parent], [tokens], [3])
+    disk.spill([b"e" * 16], [PARENT], [TOKENS], [3])
     assert disk.flush(30) and disk.stats.written == 2
-    assert disk.load(digest, parent, tokens) is not None
+    assert disk.load(digest, PARENT, TOKENS) is not None
     disk.close()
-
-
-PARENT, TOKENS = b"p" * 16, np.arange(4, dtype="<i8").tobytes()
 
 
 def page_path(directory: Path, digest: bytes) -> Path:
@@ -208,7 +206,7 @@ def test_a_file_whose_parent_or_tokens_are_not_the_requests_is_a_miss_and_is_del
     request's, not just its name (a file renamed, or written by a buggy process)."""
     pool = make_pool()
     disk = DiskTier(tmp_path, pool, max_bytes=1 << 24, model_id="tiny")
-    parent, tokens = b"p" * 16, np.arange(4, dtype="<i8").tobytes()
+    parent, tokens = PARENT, TOKENS
     disk.spill([b"a" * 16, b"b" * 16, b"c" * 16], [parent] * 3, [tokens] * 3, [1, 2, 3])
     assert disk.flush(30) and len(list(tmp_path.glob("*" + SUFFIX))) == 3
     assert disk.load(b"a" * 16, b"q" * 16, tokens) is None  # another parent
